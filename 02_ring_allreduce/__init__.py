@@ -1,0 +1,1 @@
+"""Chapter 02: not written yet (see the course map in README.md)."""

@@ -1,0 +1,70 @@
+# parallel-from-scratch: `make test` and `make run-N` work from a clean clone.
+# PY=python3 skips the venv and uses that interpreter as it is (e.g. a GPU box's system torch).
+
+VENV    ?= .venv
+PY      ?= $(VENV)/bin/python
+ARGS    ?=
+# Empty NPROC means: the GPU count, else the chapter's CPU default (4; 8 for chapter 07).
+NPROC   ?=
+export OMP_NUM_THREADS ?= 1
+
+ifeq ($(PY),$(VENV)/bin/python)
+SETUP := $(VENV)/.installed
+else
+SETUP :=
+endif
+
+.PHONY: setup test test-thorough lint notebooks bench gpu-check clean help \
+        run-1 run-2 run-3 run-4 run-5 run-6 run-7 bench-1 bench-2 bench-3 bench-4 bench-5 bench-6 bench-7
+
+help:
+	@echo "make test            create .venv, install, run the equivalence suite (CI runs this)"
+	@echo "make run-N           launch chapter N with torchrun (NPROC=…, ARGS=\"--steps 50 …\")"
+	@echo "make bench-N         chapter N's benchmark against torch's built-in equivalent"
+	@echo "make test-thorough   the suite with many hypothesis examples"
+	@echo "make notebooks       execute every lesson.ipynb in place"
+	@echo "make lint            ruff check"
+	@echo "make gpu-check       every chapter on NCCL + a bf16 throughput/MFU benchmark (CUDA only)"
+
+setup: $(SETUP)
+
+# Re-install only when the dependency files change.
+$(VENV)/.installed: pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	touch $@
+
+test: $(SETUP)
+	$(PY) -m pytest -q
+
+test-thorough: $(SETUP)
+	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q
+
+lint: $(SETUP)
+	$(PY) -m ruff check .
+
+notebooks: $(SETUP)
+	$(PY) -m common.notebooks --in-place
+
+# run-N: chapter N's train.py under torchrun on NPROC ranks (NCCL on GPUs, gloo on CPU processes).
+run-%: $(SETUP)
+	@dir=$$(ls -d 0$*_*/ | head -1); test -f "$$dir/train.py" || { echo "chapter $* has no train.py yet"; exit 2; }; \
+	n="$(NPROC)"; [ -n "$$n" ] || n=$$($(PY) -m common.dist --nproc $*); \
+	echo "torchrun --standalone --nproc-per-node $$n $${dir}train.py $(ARGS)"; \
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node $$n $${dir}train.py $(ARGS)
+
+bench-%: $(SETUP)
+	@dir=$$(ls -d 0$*_*/ | head -1); test -f "$$dir/bench.py" || { echo "chapter $* has no bench.py yet"; exit 2; }; \
+	n="$(NPROC)"; [ -n "$$n" ] || n=$$($(PY) -m common.dist --nproc $*); \
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node $$n $${dir}bench.py $(ARGS)
+
+bench: $(SETUP)
+	@for d in 0*_*/; do n=$${d%%_*}; n=$${n#0}; \
+	  if [ -f "$$d/bench.py" ]; then $(MAKE) --no-print-directory bench-$$n PY=$(PY) || exit 1; fi; done
+
+gpu-check: $(SETUP)
+	$(PY) -m common.gpu_check
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache build *.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,88 @@
+"""The flags every train.py shares, and the validation that runs before any collective.
+
+Each rank parses the same argv, so each rank rejects bad input on its own, before
+`init_process_group`: no rank is left waiting in a collective for a peer that already exited.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from common.model import CONFIGS
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+class ConfigError(ValueError):
+    """Bad input: the message names the flag, the value and the fix."""
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    p.add_argument("--seed", type=int, default=0, help="init and data seed")
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="parameter/compute dtype")
+    p.add_argument("--model", choices=CONFIGS, default="small", help="named LLaMA config")
+    p.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="sequences per forward/backward (default: global / (dp · grad-accum))")
+    p.add_argument("--grad-accum", type=int, default=None,
+                   help="micro-batches per optimizer step per rank (default: derived, else 1)")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate")
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    p.add_argument("--data", default=None, metavar="FILE",
+                   help="byte-level text file (default: this repo's .md/.py); 'synthetic' for random tokens")
+    p.add_argument("--check", action="store_true",
+                   help="also train the single-device reference; exit 1 if losses, gradients or "
+                        "parameters differ beyond the dtype's tolerance")
+    p.add_argument("--report", default=None, metavar="PATH", help="write the JSON report here")
+    return p
+
+
+def require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def batch_layout(global_batch: int, dp: int, micro_batch: int | None,
+                 grad_accum: int | None) -> tuple[int, int]:
+    """(micro_batch, grad_accum) with global_batch = dp · grad_accum · micro_batch."""
+    require(global_batch > 0, f"--global-batch {global_batch}: must be positive")
+    require(global_batch % dp == 0,
+            f"--global-batch {global_batch} is not divisible by the data-parallel size {dp}: use a "
+            f"multiple of {dp}, e.g. --global-batch {dp * max(1, round(global_batch / dp))}")
+    per_rank = global_batch // dp
+    for flag, value in (("--micro-batch", micro_batch), ("--grad-accum", grad_accum)):
+        require(value is None or value > 0, f"{flag} {value}: must be positive")
+    if micro_batch is None:
+        grad_accum = grad_accum or 1
+        require(per_rank % grad_accum == 0,
+                f"--grad-accum {grad_accum} does not divide the {per_rank} sequences per rank "
+                f"(--global-batch {global_batch} / dp {dp}): use a divisor of {per_rank}")
+        return per_rank // grad_accum, grad_accum
+    require(per_rank % micro_batch == 0,
+            f"--micro-batch {micro_batch} does not divide the {per_rank} sequences per rank "
+            f"(--global-batch {global_batch} / dp {dp}): use a divisor of {per_rank}")
+    require(grad_accum is None or grad_accum * micro_batch == per_rank,
+            f"--grad-accum {grad_accum} × --micro-batch {micro_batch} != {per_rank} sequences per "
+            f"rank (--global-batch {global_batch} / dp {dp}): drop one of the two flags")
+    return micro_batch, per_rank // micro_batch
+
+
+def validate_common(args: argparse.Namespace) -> None:
+    require(args.steps > 0, f"--steps {args.steps}: must be positive")
+    require(args.seq_len > 0, f"--seq-len {args.seq_len}: must be positive")
+    require(args.lr > 0, f"--lr {args.lr}: must be positive")
+    vocab = CONFIGS[args.model].vocab_size
+    require(args.data == "synthetic" or vocab >= 256,
+            f"--model {args.model} has vocab {vocab} < 256 bytes: use --data synthetic")
+
+
+def exit_on_config_error(rank: int | str, error: ConfigError) -> None:
+    print(f"[rank {rank}] error: {error}", file=sys.stderr, flush=True)
+    sys.exit(2)

@@ -1,0 +1,163 @@
+"""Communication meter: calls and bytes per collective, per rank, counted from outside.
+
+`with CommMeter() as meter:` swaps the functions of `torch.distributed` for counting wrappers and
+puts the originals back on exit, so the strategies' code stays plain `dist.all_reduce(...)`.
+Bytes are what this rank puts on the wire, by nccl-tests' conventions (S = the full tensor, n =
+the group size):
+
+    all_reduce                          2(n-1)/n · S
+    all_gather_*, reduce_scatter_*      (n-1)/n · S
+    all_to_all_single                   (n-1)/n · S
+    broadcast                           S            (0 when n = 1)
+    send, isend                         S
+    recv, irecv                         S received   (listed, but not in `bytes_sent`)
+
+so a ring all-reduce built from sends totals the same as `dist.all_reduce`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _group_size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def _arg(args, kwargs, index: int, name: str, default=None):
+    return args[index] if len(args) > index else kwargs.get(name, default)
+
+
+def _fraction(n: int, factor: float) -> float:
+    return factor * (n - 1) / n if n > 1 else 0.0
+
+
+# op name → (args, kwargs) ↦ bytes this rank sends
+_COST: dict[str, Callable] = {
+    "all_reduce": lambda a, k: _fraction(_group_size(_arg(a, k, 2, "group")), 2.0)
+    * _nbytes(_arg(a, k, 0, "tensor")),
+    "all_gather_into_tensor": lambda a, k: _fraction(_group_size(_arg(a, k, 2, "group")), 1.0)
+    * _nbytes(_arg(a, k, 0, "output_tensor")),
+    "all_gather_single": lambda a, k: _fraction(_group_size(_arg(a, k, 2, "group")), 1.0)
+    * _nbytes(_arg(a, k, 0, "output_tensor")),
+    "reduce_scatter_tensor": lambda a, k: _fraction(_group_size(_arg(a, k, 3, "group")), 1.0)
+    * _nbytes(_arg(a, k, 1, "input")),
+    "reduce_scatter_single": lambda a, k: _fraction(_group_size(_arg(a, k, 3, "group")), 1.0)
+    * _nbytes(_arg(a, k, 1, "input")),
+    "all_to_all_single": lambda a, k: _fraction(_group_size(_arg(a, k, 4, "group")), 1.0)
+    * _nbytes(_arg(a, k, 1, "input")),
+    "all_gather": lambda a, k: (_group_size(_arg(a, k, 2, "group")) - 1)
+    * _nbytes(_arg(a, k, 1, "tensor")),
+    "broadcast": lambda a, k: _nbytes(_arg(a, k, 0, "tensor"))
+    * (_group_size(_arg(a, k, 2, "group")) > 1),
+    "send": lambda a, k: _nbytes(_arg(a, k, 0, "tensor")),
+    "isend": lambda a, k: _nbytes(_arg(a, k, 0, "tensor")),
+    "recv": lambda a, k: _nbytes(_arg(a, k, 0, "tensor")),
+    "irecv": lambda a, k: _nbytes(_arg(a, k, 0, "tensor")),
+    "barrier": lambda a, k: 0.0,
+}
+RECEIVES = ("recv", "irecv")
+
+
+class CommMeter:
+    """Counts calls and wire bytes per op while active. One meter at a time per process."""
+
+    _active: CommMeter | None = None
+
+    def __init__(self) -> None:
+        self.stats: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "bytes": 0.0})
+        self._originals: dict[tuple[object, str], Callable] = {}
+        self._inside = threading.local()
+        self._lock = threading.Lock()
+
+    @property
+    def bytes_sent(self) -> float:
+        return sum(s["bytes"] for op, s in self.stats.items() if op not in RECEIVES)
+
+    def calls(self, op: str) -> int:
+        return int(self.stats[op]["calls"]) if op in self.stats else 0
+
+    def reset(self) -> None:
+        self.stats.clear()
+
+    def as_dict(self) -> dict[str, dict[str, float]]:
+        return {op: dict(s) for op, s in sorted(self.stats.items())}
+
+    def _record(self, op: str, nbytes: float) -> None:
+        with self._lock:
+            self.stats[op]["calls"] += 1
+            self.stats[op]["bytes"] += nbytes
+
+    def _wrap(self, op: str, fn: Callable) -> Callable:
+        def counted(*args, **kwargs):
+            if getattr(self._inside, "active", False):  # torch calling itself: count once
+                return fn(*args, **kwargs)
+            self._record(op, _COST[op](args, kwargs))
+            self._inside.active = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._inside.active = False
+
+        counted.__name__ = fn.__name__
+        return counted
+
+    def _wrap_batch(self, fn: Callable) -> Callable:
+        def counted(p2p_op_list):
+            for p2p in p2p_op_list:
+                send = getattr(p2p.op, "__name__", "") == "isend"
+                # batch_isend_irecv tests `op.op is isend` against the (now wrapped) module global
+                p2p.op = c10d.isend if send else c10d.irecv
+                self._record("isend" if send else "irecv", _nbytes(p2p.tensor))
+            self._inside.active = True
+            try:
+                return fn(p2p_op_list)
+            finally:
+                self._inside.active = False
+
+        return counted
+
+    def __enter__(self) -> CommMeter:
+        if CommMeter._active is not None:
+            raise RuntimeError("a CommMeter is already active in this process")
+        CommMeter._active = self
+        for op in _COST:
+            if not hasattr(dist, op):
+                continue
+            wrapped = self._wrap(op, getattr(dist, op))
+            # P2POp checks `op in [c10d.isend, c10d.irecv]`: wrap both namespaces alike.
+            for module in (dist, c10d) if op in ("isend", "irecv") else (dist,):
+                self._originals[(module, op)] = getattr(module, op)
+                setattr(module, op, wrapped)
+        self._originals[(dist, "batch_isend_irecv")] = dist.batch_isend_irecv
+        dist.batch_isend_irecv = self._wrap_batch(dist.batch_isend_irecv)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for (module, op), fn in self._originals.items():
+            setattr(module, op, fn)
+        self._originals.clear()
+        CommMeter._active = None
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op=False):
+    """`dist.all_gather_single` (torch >= 2.13), else `dist.all_gather_into_tensor`."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op=False):
+    """SUM reduce-scatter: `dist.reduce_scatter_single` (torch >= 2.13), else
+    `dist.reduce_scatter_tensor`. Never AVG (gloo on torch 2.5-2.8 silently returns the SUM)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)

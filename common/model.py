@@ -1,0 +1,238 @@
+"""LLaMA, architecturally exact, and nothing about parallelism.
+
+    h   = x + Attention(RMSNorm(x))            RMSNorm(x) = x / sqrt(mean(x²) + eps) · g
+    out = h + SwiGLU(RMSNorm(h))               SwiGLU(x)  = W2 (silu(W1 x) ⊙ W3 x)
+
+Attention is causal grouped-query attention (n_kv_heads ≤ n_heads, each K/V head shared by
+n_heads / n_kv_heads query heads) with rotary position embeddings on Q and K. Every parallel
+strategy in the course wraps or re-shards *this* model, so the single-device reference and the
+parallel run execute the same code. Modules read their head counts from their weights' shapes, so
+a tensor-parallel split of wq/wk/wv needs no change here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # LLaMA 3.1 stretches long wavelengths: (factor, low_freq_factor, high_freq_factor, original_ctx)
+    rope_scaling: tuple[float, float, float, int] | None = None
+    max_seq_len: int = 2048
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """LLaMA's FFN width: 2/3 of 4·dim, times ffn_dim_multiplier, rounded up to multiple_of."""
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+
+
+_LLAMA31_ROPE = (8.0, 1.0, 4.0, 8192)
+CONFIGS: dict[str, LlamaConfig] = {
+    # Test and demo sizes: heads and kv-heads divisible by 4 (TP 4), layers by 8 (PP 4 × 2 virtual).
+    "tiny": LlamaConfig(dim=32, n_layers=8, n_heads=4, n_kv_heads=4, vocab_size=256, multiple_of=16),
+    "small": LlamaConfig(dim=256, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=256, multiple_of=64),
+    # The real shapes (build them on the meta device to count parameters).
+    "llama2-7b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000,
+                             max_seq_len=4096),
+    "llama2-13b": LlamaConfig(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, vocab_size=32000,
+                              max_seq_len=4096),
+    "llama2-70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=32000,
+                              multiple_of=4096, ffn_dim_multiplier=1.3, max_seq_len=4096),
+    "llama3.1-8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                               multiple_of=1024, ffn_dim_multiplier=1.3, rope_theta=500000.0,
+                               rope_scaling=_LLAMA31_ROPE, max_seq_len=131072),
+    "llama3.1-70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
+                                multiple_of=4096, ffn_dim_multiplier=1.3, rope_theta=500000.0,
+                                rope_scaling=_LLAMA31_ROPE, max_seq_len=131072),
+    "llama3.1-405b": LlamaConfig(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
+                                 vocab_size=128256, multiple_of=4096, ffn_dim_multiplier=1.2,
+                                 rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE,
+                                 max_seq_len=131072),
+}
+
+
+def get_config(name: str, **overrides) -> LlamaConfig:
+    if name not in CONFIGS:
+        raise ValueError(f"unknown model {name!r}: choose one of {', '.join(CONFIGS)}")
+    return replace(CONFIGS[name], **overrides)
+
+
+def rope_frequencies(cfg: LlamaConfig) -> torch.Tensor:
+    """θ_i = theta^(-2i/head_dim), i < head_dim/2 (float64), with LLaMA 3.1's scaling when set:
+    wavelengths above original_ctx/low_freq_factor are divided by `factor`, those below
+    original_ctx/high_freq_factor are kept, and the band between is interpolated smoothly."""
+    freqs = cfg.rope_theta ** -(torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+    if cfg.rope_scaling is None:
+        return freqs
+    factor, low, high, ctx = cfg.rope_scaling
+    wavelen = 2 * math.pi / freqs
+    smooth = ((ctx / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - smooth) * freqs / factor + smooth * freqs
+
+
+def rope_cos_sin(cfg: LlamaConfig, positions: torch.Tensor, dtype: torch.dtype):
+    """cos and sin of m·θ_i for each position m: shape [T, head_dim/2]."""
+    angles = positions.to(torch.float64)[:, None] * rope_frequencies(cfg).to(positions.device)[None]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair (x[2i], x[2i+1]) of x: [B, T, H, D] by the angle m·θ_i (Meta's layout)."""
+    x0, x1 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class Attention(nn.Module):
+    """softmax(Q Kᵀ / sqrt(d) + causal mask) V, with RoPE on Q, K and each K/V head repeated for
+    its group of query heads."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, -1, self.head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)
+        v = self.wv(x).view(B, T, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        group = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: W2 (silu(W1 x) ⊙ W3 x)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
+        self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """One layer; the unit that FSDP shards and that a pipeline stage holds a run of."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    """tokens [B, T] → logits [B, T, vocab]; the output head is not tied to the embedding."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        cos, sin = rope_cos_sin(self.cfg, positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+
+def init_weights(model: Llama, seed: int) -> None:
+    """Deterministic init from `seed` alone, identical on every rank and device: N(0, 0.02) for
+    embeddings and linears, 0.02/sqrt(2·n_layers) for the projections into the residual stream
+    (wo, w2), ones for norms. Drawn on CPU in float64, then cast, so every dtype starts from the
+    same numbers."""
+    gen = torch.Generator().manual_seed(seed)
+    residual_std = 0.02 / math.sqrt(2 * model.cfg.n_layers)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
+            p.copy_(torch.empty(p.shape, dtype=torch.float64).normal_(0.0, std, generator=gen))
+
+
+def build_model(cfg: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu") -> Llama:
+    """The model every strategy starts from. On the meta device nothing is allocated (use it to
+    count the parameters of the real shapes)."""
+    if torch.device(device).type == "meta":
+        with torch.device("meta"):
+            return Llama(cfg).to(dtype)
+    model = Llama(cfg).to(dtype)
+    init_weights(model, seed)
+    return model.to(device)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position of the batch (computed in float32 or
+    better, whatever the model's dtype)."""
+    logits = logits.flatten(0, 1)
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    return F.cross_entropy(logits, targets.flatten())

@@ -1,0 +1,71 @@
+"""The run report: one JSON object that rank 0 prints as its last line (and `--report` writes),
+after a short human-readable table of the same numbers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+REPORT_KEYS = (
+    "chapter", "strategy", "world_size", "mesh", "backend", "device", "dtype", "steps", "losses",
+    "reference_losses", "max_loss_diff", "max_grad_diff", "max_param_diff", "tolerance",
+    "check_passed", "tokens_per_s", "comm", "comm_bytes_per_rank", "comm_bytes_formula",
+    "memory", "memory_formula",
+)
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def _ratio(measured: float | None, formula: float | None) -> str:
+    if measured is None or not formula:
+        return "-"
+    return f"{measured / formula:.4f}"
+
+
+def summary_table(report: dict) -> str:
+    mesh = " × ".join(f"{k}={v}" for k, v in report["mesh"].items())
+    losses = report["losses"]
+    lines = [
+        f"chapter {report['chapter']} · {report['strategy']} · {mesh} · {report['backend']} on "
+        f"{report['device']} · {report['dtype']} · {report['steps']} steps",
+        f"loss {losses[0]:.4f} → {losses[-1]:.4f} · {report['tokens_per_s']:.0f} tokens/s",
+        f"{'per rank':<22}{'measured':>14}{'formula':>14}{'ratio':>9}",
+        f"{'comm (all steps)':<22}{human_bytes(report['comm_bytes_per_rank']):>14}"
+        f"{human_bytes(report['comm_bytes_formula']):>14}"
+        f"{_ratio(report['comm_bytes_per_rank'], report['comm_bytes_formula']):>9}",
+    ]
+    for key, value in report["memory"].items():
+        formula = report["memory_formula"].get(key)
+        lines.append(f"{'memory ' + key:<22}{human_bytes(value):>14}{human_bytes(formula):>14}"
+                     f"{_ratio(value, formula):>9}")
+    if report.get("reference_losses") is not None:
+        verdict = "PASS" if report["check_passed"] else "FAIL"
+        lines.append(
+            f"check vs single device: {verdict} (tolerance {report['tolerance']:.0e}) · max rel diff "
+            f"loss {report['max_loss_diff']:.2e} · grad {report['max_grad_diff']:.2e} · "
+            f"param {report['max_param_diff']:.2e}"
+        )
+    return "\n".join(lines)
+
+
+def emit_report(report: dict, path: str | None = None) -> None:
+    """Print the table, then the JSON as the very last line; write it to `path` if given."""
+    missing = [k for k in ("chapter", "strategy", "world_size", "mesh", "losses") if k not in report]
+    if missing:
+        raise ValueError(f"report lacks {missing}")
+    ordered = {k: report[k] for k in REPORT_KEYS if k in report}
+    ordered.update({k: v for k, v in report.items() if k not in ordered})
+    print(summary_table(ordered), flush=True)
+    line = json.dumps(ordered)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(line + "\n")
+    print(line, flush=True)

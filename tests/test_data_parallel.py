@@ -1,0 +1,325 @@
+"""Chapter 01: naive DP and bucketed DDP train the same numbers as one device."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from data_parallel import DistributedDataParallel, NaiveDataParallel, assign_buckets
+from data_parallel import train as dp_train
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from common.cli import ConfigError, batch_layout
+from common.comm import CommMeter
+from common.data import local_micro_batches, split_inputs_targets
+from common.dist import init_distributed
+from common.model import build_model, get_config, loss_fn
+from common.reference import TOLERANCE, make_optimizer
+from tests.equivalence import (
+    RunRecord,
+    TrainSpec,
+    assert_matches_reference,
+    data_parallel_specs,
+    differences,
+    reference_record,
+)
+from tests.harness import RankError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# Deliberately broken variants: the negative controls that prove the checks can fail.
+class SumNotAverageDDP(DistributedDataParallel):
+    def __init__(self, module, bucket_cap_mb):
+        super().__init__(module, bucket_cap_mb=bucket_cap_mb)
+        self.world_size = 1  # sums the gradients, never divides by n
+
+
+class SkipFirstBucketDDP(DistributedDataParallel):
+    def _launch_ready_buckets(self) -> None:
+        if self._next_bucket == 0 and len(self.buckets[0].ready) == len(self.buckets[0].params):
+            self._next_bucket = 1  # bucket 0 keeps its local gradient
+        super()._launch_ready_buckets()
+
+
+def wrap(model: nn.Module, strategy: str, bucket_cap_mb: float) -> nn.Module:
+    if strategy == "naive":
+        return NaiveDataParallel(model)
+    cls = {"ddp": DistributedDataParallel, "sum-not-average": SumNotAverageDDP,
+           "skip-first-bucket": SkipFirstBucketDDP}[strategy]
+    return cls(model, bucket_cap_mb=bucket_cap_mb)
+
+
+def train_data_parallel(spec: TrainSpec, strategy: str, bucket_cap_mb: float = 25.0) -> RunRecord:
+    """Runs on every rank: the chapter's training step, recording full gradients each step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model(spec.cfg, spec.seed, spec.torch_dtype)
+    dp = wrap(model, strategy, bucket_cap_mb)
+    optimizer = make_optimizer(model.parameters(), spec.optimizer, spec.lr)
+    data, losses, grads = spec.data(), [], []
+    for step in range(spec.steps):
+        micro = local_micro_batches(data.global_batch(step, spec.global_batch), rank, world,
+                                    spec.micro_batch)
+        loss_sum = 0.0
+        for i, tokens in enumerate(micro):
+            inputs, targets = split_inputs_targets(tokens)
+            with nullcontext() if i == len(micro) - 1 else dp.no_sync():
+                loss = loss_fn(dp(inputs), targets) / len(micro)
+                loss.backward()
+            loss_sum += loss.item()
+        dp.finish()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        losses.append(loss_sum)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return RunRecord(losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+def run_data_parallel(pools, spec: TrainSpec, strategy: str, bucket_cap_mb: float = 25.0,
+                      replicas_must_agree: bool = True) -> RunRecord:
+    """All ranks' records → one: replicas must agree exactly; the step loss is the ranks' mean."""
+    records = pools.run(spec.world_size, train_data_parallel, spec, strategy, bucket_cap_mb)
+    for rank, record in enumerate(records[1:] if replicas_must_agree else [], start=1):
+        for name, p in record.params.items():
+            assert torch.equal(p, records[0].params[name]), f"rank {rank} drifted from rank 0 in {name}"
+    losses = [sum(r.losses[s] for r in records) / len(records) for s in range(spec.steps)]
+    return RunRecord(losses, records[0].grads, records[0].params)
+
+
+bucket_caps = st.sampled_from([1e-6, 0.001, 0.004, 25.0])  # one tensor per bucket … one bucket
+
+
+@given(spec=data_parallel_specs(), strategy=st.sampled_from(["naive", "ddp"]), bucket_cap_mb=bucket_caps)
+def test_data_parallel_equals_single_device_float64(pools, spec, strategy, bucket_cap_mb):
+    assert_matches_reference(run_data_parallel(pools, spec, strategy, bucket_cap_mb), spec)
+
+
+@given(spec=data_parallel_specs(dtype="float32"), strategy=st.sampled_from(["naive", "ddp"]),
+       bucket_cap_mb=bucket_caps)
+def test_data_parallel_equals_single_device_float32(pools, spec, strategy, bucket_cap_mb):
+    """Tolerance TOLERANCE[float32] = 1e-4 (relative): only the summation order differs."""
+    assert_matches_reference(run_data_parallel(pools, spec, strategy, bucket_cap_mb), spec)
+
+
+@given(spec=data_parallel_specs(world_sizes=(2, 4), dtype="bfloat16"), bucket_cap_mb=bucket_caps)
+def test_ddp_equals_single_device_bfloat16_sgd(pools, spec, bucket_cap_mb):
+    """Tolerance TOLERANCE[bfloat16] = 5e-2: bf16 keeps 8 mantissa bits, and the ranks' partial
+    gradients are rounded before the sum that the reference does in one matmul. SGD only: AdamW's
+    first update is lr·sign(g), so a gradient within bf16 rounding of zero may flip the update of
+    that element by 2·lr, which says nothing about the strategy."""
+    spec = TrainSpec(**{**spec.__dict__, "optimizer": "sgd"})
+    assert_matches_reference(run_data_parallel(pools, spec, "ddp", bucket_cap_mb), spec)
+
+
+NEGATIVE_SPEC = TrainSpec(cfg=get_config("tiny", n_layers=1), world_size=2, global_batch=4,
+                          micro_batch=1, seq_len=6, steps=2)
+
+
+@pytest.mark.parametrize("broken", ["sum-not-average", "skip-first-bucket"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_broken_data_parallel_is_detected(pools, broken, optimizer):
+    spec = TrainSpec(**{**NEGATIVE_SPEC.__dict__, "optimizer": optimizer})
+    with pytest.raises(AssertionError, match=r"differs from single-device training|drifted"):
+        assert_matches_reference(run_data_parallel(pools, spec, broken, 0.004), spec)
+    record = run_data_parallel(pools, spec, broken, 0.004, replicas_must_agree=False)
+    assert differences(record, reference_record(spec))["grad"] > 1e3 * TOLERANCE[torch.float64]
+
+
+def test_sum_not_average_hides_from_adamw_loss_but_not_from_gradients(pools):
+    """Why the suite compares gradients: with AdamW, n× too large gradients barely move the loss."""
+    spec = TrainSpec(**{**NEGATIVE_SPEC.__dict__, "steps": 2})
+    diffs = differences(run_data_parallel(pools, spec, "sum-not-average"), reference_record(spec))
+    assert diffs["loss"] < 1e-3 < diffs["grad"], diffs
+
+
+def metered_step(spec: TrainSpec, strategy: str, bucket_cap_mb: float) -> dict:
+    model = build_model(spec.cfg, spec.seed, spec.torch_dtype)
+    dp = wrap(model, strategy, bucket_cap_mb)
+    micro = local_micro_batches(spec.data().global_batch(0, spec.global_batch), dist.get_rank(),
+                                dist.get_world_size(), spec.micro_batch)
+    with CommMeter() as meter:
+        for i, tokens in enumerate(micro):
+            inputs, targets = split_inputs_targets(tokens)
+            with nullcontext() if i == len(micro) - 1 else dp.no_sync():
+                loss_fn(dp(inputs), targets).backward()
+            if i < len(micro) - 1:
+                assert meter.calls("all_reduce") == 0, "no_sync must not communicate"
+        dp.finish()
+    n_buckets = len(dp.buckets) if strategy == "ddp" else len(list(model.parameters()))
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"comm": meter.as_dict(), "calls_expected": n_buckets, "grad_bytes": grad_bytes}
+
+
+@given(spec=data_parallel_specs(world_sizes=(1, 2, 3, 4)), strategy=st.sampled_from(["naive", "ddp"]),
+       bucket_cap_mb=bucket_caps)
+def test_comm_meter_shows_2_n_minus_1_over_n_gradient_bytes(pools, spec, strategy, bucket_cap_mb):
+    result = pools.run(spec.world_size, metered_step, spec, strategy, bucket_cap_mb)[0]
+    n = spec.world_size
+    assert set(result["comm"]) == {"all_reduce"}
+    assert result["comm"]["all_reduce"]["calls"] == result["calls_expected"]
+    assert result["comm"]["all_reduce"]["bytes"] == pytest.approx(
+        2 * (n - 1) / n * result["grad_bytes"], rel=1e-12, abs=0)
+
+
+def test_buckets_follow_reverse_registration_order_and_cap():
+    model = build_model(get_config("tiny", n_layers=2))
+    named = list(model.named_parameters())
+    buckets = assign_buckets(named, bucket_cap_bytes=40_000)
+    flat = [name for bucket in buckets for name, _ in bucket]
+    assert flat == [name for name, _ in reversed(named)]
+    for bucket in buckets:
+        size = sum(p.numel() * p.element_size() for _, p in bucket)
+        assert size <= 40_000 or len(bucket) == 1
+    assert len(assign_buckets(named, 1.0)) == len(named)
+    assert len(assign_buckets(named, 1e12)) == 1
+
+
+def record_overlap(bucket_cap_mb: float) -> list[str]:
+    """Order of events in one backward: bucket launches vs the last gradient (the embedding's)."""
+    model = build_model(get_config("tiny", n_layers=4), seed=0)
+    dp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    events, all_reduce = [], dist.all_reduce
+
+    def launching(*args, **kwargs):
+        events.append("launch")
+        return all_reduce(*args, **kwargs)
+
+    model.tok_embeddings.weight.register_post_accumulate_grad_hook(lambda p: events.append("last grad"))
+    dist.all_reduce = launching
+    try:
+        tokens = torch.randint(0, 256, (2, 9))
+        loss_fn(dp(tokens[:, :-1]), tokens[:, 1:]).backward()
+        dp.finish()
+    finally:
+        dist.all_reduce = all_reduce
+    return events
+
+
+def test_ddp_launches_buckets_during_backward(pools):
+    events = pools.run(2, record_overlap, 0.01)[0]
+    first_launch, last_grad = events.index("launch"), events.index("last grad")
+    assert first_launch < last_grad and events.count("launch") > 2, events
+
+
+class WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def backward_with_unused_parameter() -> None:
+    dp = DistributedDataParallel(WithUnused(), bucket_cap_mb=1e-6)
+    dp(torch.randn(2, 4)).sum().backward()
+    dp.finish()
+
+
+def test_unused_parameter_is_a_clear_error_on_every_rank(pools):
+    with pytest.raises(RankError, match=r"unused\.weight") as info:
+        pools.run(3, backward_with_unused_parameter)
+    assert sorted(info.value.errors) == [0, 1, 2]
+    pools.run(3, dist.barrier)  # no rank was left inside a collective
+
+
+def test_batch_layout_rejects_bad_batches_naming_values_and_fix():
+    assert batch_layout(16, 4, None, None) == (4, 1)
+    assert batch_layout(16, 4, None, 2) == (2, 2)
+    assert batch_layout(16, 4, 1, None) == (1, 4)
+    with pytest.raises(ConfigError, match=r"--global-batch 10 is not divisible by .* 4.*multiple of 4"):
+        batch_layout(10, 4, None, None)
+    with pytest.raises(ConfigError, match=r"--micro-batch 3 does not divide the 4 sequences per rank"):
+        batch_layout(16, 4, 3, None)
+    with pytest.raises(ConfigError, match=r"--grad-accum 3 does not divide"):
+        batch_layout(16, 4, None, 3)
+    with pytest.raises(ConfigError, match=r"--grad-accum 3 × --micro-batch 2 != 4"):
+        batch_layout(16, 4, 2, 3)
+
+
+def validate_argv(argv: list[str]) -> tuple[int, int]:
+    return dp_train.validate(dp_train.parse_args(argv), dist.get_world_size())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--global-batch", "6"], r"--global-batch 6 is not divisible by the data-parallel size 4"),
+    (["--bucket-mb", "0"], r"--bucket-mb 0.0: must be > 0"),
+    (["--strategy", "zero"], r"--strategy 'zero' is unknown: use one of naive, ddp"),
+    (["--micro-batch", "3"], r"--micro-batch 3 does not divide the 4 sequences per rank"),
+])
+def test_bad_input_fails_on_every_rank_before_any_collective(pools, argv, message):
+    with pytest.raises(RankError, match=message) as info:
+        pools.run(4, validate_argv, argv)
+    assert sorted(info.value.errors) == [0, 1, 2, 3]
+
+
+def test_ddp_rejects_nonpositive_bucket_cap(pools):
+    with pytest.raises(RankError, match=r"bucket_cap_mb=0 must be > 0"):
+        pools.run(1, DistributedDataParallel, nn.Linear(2, 2), None, 0)
+
+
+def train_cli(argv: list[str], broken: bool = False) -> dict:
+    args = dp_train.parse_args(argv)
+    if broken:
+        dp_train.STRATEGIES["broken"] = lambda model, a: SumNotAverageDDP(model, a.bucket_mb)
+        args.strategy = "broken"
+    micro, accum = dp_train.validate(args, dist.get_world_size()) if not broken else (1, 2)
+    try:
+        return dp_train.train(args, init_distributed(), micro, accum)
+    finally:
+        dp_train.STRATEGIES.pop("broken", None)
+
+
+CLI_ARGV = ["--model", "tiny", "--dtype", "float64", "--steps", "2", "--global-batch", "8",
+            "--seq-len", "8", "--check", "--data", "synthetic"]
+
+
+@pytest.mark.parametrize("strategy", ["naive", "ddp"])
+def test_train_check_passes_and_report_matches_formulas(pools, strategy):
+    reports = pools.run(2, train_cli, [*CLI_ARGV, "--strategy", strategy, "--grad-accum", "2",
+                                       "--bucket-mb", "0.01"])
+    assert all(r["check_passed"] for r in reports)
+    report = reports[0]
+    assert report["max_param_diff"] <= 1e-10 and report["max_grad_diff"] <= 1e-10
+    assert report["comm_bytes_per_rank"] == pytest.approx(report["comm_bytes_formula"], rel=1e-12)
+    for key in ("params", "grads", "optimizer"):
+        assert report["memory"][key] == report["memory_formula"][key], key
+    assert report["memory"]["activations_peak"] > 0
+
+
+def test_train_check_fails_on_a_broken_strategy_on_every_rank(pools):
+    reports = pools.run(2, train_cli, CLI_ARGV, True)
+    assert [r["check_passed"] for r in reports] == [False, False]
+    assert reports[0]["max_grad_diff"] > 0.5
+
+
+@pytest.mark.slow
+def test_torchrun_check_exits_zero_with_json_report(tmp_path):
+    """The issue's 'done when': `make run-1 ARGS="--dtype float64 --check"` (on 2 ranks, tiny)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "01_data_parallel/train.py", "--dtype", "float64", "--check", "--model", "tiny",
+         "--steps", "3", "--report", str(tmp_path / "r.json")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["max_param_diff"] <= 1e-10 and report["check_passed"]
+    assert json.loads((tmp_path / "r.json").read_text()) == report
+
+
+def test_launch_without_torchrun_is_a_clear_error():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    proc = subprocess.run([sys.executable, "01_data_parallel/train.py"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "torchrun --standalone --nproc-per-node N" in proc.stderr
