@@ -1,0 +1,136 @@
+"""common/: the comm meter's byte counts, the memory ledger, data determinism, launch errors,
+the report contract."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from common.comm import CommMeter, all_gather_single, reduce_scatter_single
+from common.data import ByteCorpus, SyntheticTokens, local_micro_batches
+from common.dist import LaunchError, env_world_size, pick_backend
+from common.memory import ActivationMeter, model_state_bytes, storage_bytes
+from common.report import emit_report
+
+
+def meter_every_op() -> dict:
+    """Each collective once on 12 float32 (48 bytes), plus a ring of sends."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    x = torch.ones(12)
+    originals = (dist.all_reduce, dist.isend)
+    with CommMeter() as meter:
+        dist.all_reduce(x)
+        all_gather_single(torch.empty(12 * n), x)
+        reduce_scatter_single(torch.empty(12 // n), x)
+        dist.broadcast(x, src=0)
+        if n > 1:  # gloo cannot send to itself
+            ops = [dist.P2POp(dist.isend, x, (rank + 1) % n),
+                   dist.P2POp(dist.irecv, torch.empty(12), (rank - 1) % n)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            if rank % 2 == 0:
+                dist.send(torch.ones(3), (rank + 1) % n)
+            else:
+                dist.recv(torch.empty(3), (rank - 1) % n)
+    assert (dist.all_reduce, dist.isend) == originals, "the meter must restore torch.distributed"
+    return meter.as_dict() | {"bytes_sent": meter.bytes_sent}
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_comm_meter_counts_bytes_by_nccl_tests_conventions(pools, n):
+    results = pools.run(n, meter_every_op)
+    gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    scatter = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    for rank, stats in enumerate(results):
+        assert stats["all_reduce"] == {"calls": 1, "bytes": 2 * (n - 1) / n * 48}
+        assert stats[gather] == {"calls": 1, "bytes": (n - 1) / n * 48 * n}
+        assert stats[scatter] == {"calls": 1, "bytes": (n - 1) / n * 48}
+        assert stats["broadcast"] == {"calls": 1, "bytes": 48}
+        assert stats["isend"] == {"calls": 1, "bytes": 48} and stats["irecv"] == {"calls": 1, "bytes": 48}
+        sent = 12 if rank % 2 == 0 else 0
+        assert stats.get("send", {"bytes": 0})["bytes"] == sent
+        expected = 2 * (n - 1) / n * 48 + (n - 1) * 48 + (n - 1) / n * 48 + 48 + 48 + sent
+        assert stats["bytes_sent"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_comm_meter_counts_nothing_on_one_rank(pools):
+    stats = pools.run(1, meter_every_op)[0]
+    assert stats["all_reduce"]["bytes"] == 0 and stats["broadcast"]["bytes"] == 0
+
+
+def test_storage_bytes_counts_each_storage_once():
+    flat = torch.zeros(100, dtype=torch.float64)
+    views = [flat[:40], flat[40:], flat.view(10, 10)]
+    assert storage_bytes(views) == 800
+    assert storage_bytes([torch.zeros(3), torch.zeros(5)]) == 32
+
+
+def test_model_state_bytes_sees_adamw_state():
+    model = nn.Linear(4, 3, bias=True)
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=False)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    state = model_state_bytes(model.parameters(), optimizer)
+    assert state == {"params": 60, "grads": 60, "optimizer": 2 * 60 + 2 * 4}
+
+
+def test_activation_meter_tracks_saved_tensors_until_backward_frees_them():
+    w = nn.Parameter(torch.randn(256))
+    x = torch.randn(256, requires_grad=True)
+    with ActivationMeter([w]) as meter:
+        y = (x * w).sin()  # saves x and w for the product (w excluded), and x*w for sin
+        assert meter.current_bytes == 2 * 256 * 4
+        y.sum().backward()
+    del y
+    assert meter.peak_bytes == 2 * 256 * 4 and meter.current_bytes == 0
+
+
+def test_data_is_deterministic_and_ranks_partition_the_global_batch():
+    data = SyntheticTokens(vocab_size=50, seq_len=7, seed=3)
+    batch = data.global_batch(5, 12)
+    assert torch.equal(batch, SyntheticTokens(50, 7, 3).global_batch(5, 12))
+    assert not torch.equal(batch, data.global_batch(6, 12))
+    pieces = [m for r in range(3) for m in local_micro_batches(batch, r, 3, micro_batch=2)]
+    assert len(pieces) == 6 and torch.equal(torch.cat(pieces), batch)
+
+
+def test_byte_corpus_reads_the_repository_by_default(tmp_path):
+    corpus = ByteCorpus(seq_len=16, seed=0)
+    batch = corpus.global_batch(0, 4)
+    assert batch.shape == (4, 17) and batch.max() < 256 and len(corpus.data) > 10_000
+    short = tmp_path / "short.txt"
+    short.write_text("tiny")
+    with pytest.raises(ValueError, match="need more than seq_len"):
+        ByteCorpus(seq_len=16, path=short)
+
+
+def test_launch_without_torchrun_names_the_fix(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(LaunchError, match="torchrun --standalone --nproc-per-node N"):
+        env_world_size()
+
+
+def test_backend_follows_the_environment(monkeypatch):
+    monkeypatch.setenv("PFS_BACKEND", "gloo")
+    assert pick_backend() == "gloo"
+    monkeypatch.setenv("PFS_BACKEND", "mpi")
+    with pytest.raises(LaunchError, match="PFS_BACKEND='mpi' is not supported"):
+        pick_backend()
+    monkeypatch.delenv("PFS_BACKEND")
+    assert pick_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def test_report_prints_json_as_last_line(tmp_path, capsys):
+    report = {"chapter": 1, "strategy": "ddp", "world_size": 2, "mesh": {"dp": 2}, "backend": "gloo",
+              "device": "cpu", "dtype": "float32", "steps": 1, "losses": [2.0], "tokens_per_s": 10.0,
+              "comm": {}, "comm_bytes_per_rank": 100.0, "comm_bytes_formula": 50.0,
+              "memory": {"params": 8}, "memory_formula": {"params": 8}}
+    emit_report(report, str(tmp_path / "r.json"))
+    out = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(out[-1]) == report == json.loads((tmp_path / "r.json").read_text())
+    assert any("comm (all steps)" in line and "2.0000" in line for line in out)
