@@ -14,8 +14,10 @@ else
 SETUP :=
 endif
 
-.PHONY: setup test test-thorough lint notebooks bench gpu-check clean help \
-        run-1 run-2 run-3 run-4 run-5 run-6 run-7 bench-1 bench-2 bench-3 bench-4 bench-5 bench-6 bench-7
+CHAPTERS := 1 2 3 4 5 6 7
+RUNS     := $(addprefix run-,$(CHAPTERS))
+BENCHES  := $(addprefix bench-,$(CHAPTERS))
+.PHONY: setup test test-thorough lint notebooks bench gpu-check clean help $(RUNS) $(BENCHES)
 
 help:
 	@echo "make test            create .venv, install, run the equivalence suite (CI runs this)"
@@ -47,13 +49,13 @@ notebooks: $(SETUP)
 	$(PY) -m common.notebooks --in-place
 
 # run-N: chapter N's train.py under torchrun on NPROC ranks (NCCL on GPUs, gloo on CPU processes).
-run-%: $(SETUP)
+$(RUNS): run-%: $(SETUP)
 	@dir=$$(ls -d 0$*_*/ | head -1); test -f "$$dir/train.py" || { echo "chapter $* has no train.py yet"; exit 2; }; \
 	n="$(NPROC)"; [ -n "$$n" ] || n=$$($(PY) -m common.dist --nproc $*); \
 	echo "torchrun --standalone --nproc-per-node $$n $${dir}train.py $(ARGS)"; \
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node $$n $${dir}train.py $(ARGS)
 
-bench-%: $(SETUP)
+$(BENCHES): bench-%: $(SETUP)
 	@dir=$$(ls -d 0$*_*/ | head -1); test -f "$$dir/bench.py" || { echo "chapter $* has no bench.py yet"; exit 2; }; \
 	n="$(NPROC)"; [ -n "$$n" ] || n=$$($(PY) -m common.dist --nproc $*); \
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node $$n $${dir}bench.py $(ARGS)

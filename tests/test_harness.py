@@ -1,0 +1,56 @@
+"""The rank pool itself: results come back by rank, and a hung or dead rank fails fast with a
+clear message and a rebuilt pool, never a stuck test session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import RankError, RankTimeoutError
+
+
+def rank_and_sum() -> tuple[int, float]:
+    x = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(x)
+    return dist.get_rank(), x.item()
+
+
+def only_rank_0_waits() -> None:
+    if dist.get_rank() == 0:
+        dist.barrier()  # its peers never join
+
+
+def rank_1_dies() -> None:
+    if dist.get_rank() == 1:
+        os._exit(3)
+
+
+def rank_0_raises() -> None:
+    if dist.get_rank() == 0:
+        raise ValueError("bad value on rank 0")
+
+
+def test_results_come_back_in_rank_order(pools):
+    assert pools.run(3, rank_and_sum) == [(0, 3.0), (1, 3.0), (2, 3.0)]
+
+
+def test_a_hung_collective_fails_within_the_timeout_and_the_pool_is_rebuilt(pools):
+    message = r"ranks \[0\] of 2 did not finish only_rank_0_waits within 3 s"
+    with pytest.raises(RankTimeoutError, match=message):
+        pools.run(2, only_rank_0_waits, timeout=3)
+    assert pools.run(2, rank_and_sum) == [(0, 1.0), (1, 1.0)]
+
+
+def test_a_dead_rank_is_reported_by_number(pools):
+    with pytest.raises(RankTimeoutError, match="rank 1 of 2 died"):
+        pools.run(2, rank_1_dies, timeout=30)
+    assert pools.run(2, rank_and_sum)[1] == (1, 1.0)
+
+
+def test_an_exception_on_one_rank_carries_its_traceback(pools):
+    with pytest.raises(RankError, match="bad value on rank 0") as info:
+        pools.run(2, rank_0_raises)
+    assert info.value.errors == {0: "ValueError: bad value on rank 0"}
