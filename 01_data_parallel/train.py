@@ -17,7 +17,6 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-from data_parallel import DistributedDataParallel, NaiveDataParallel
 
 from common.cli import (
     DTYPES,
@@ -42,6 +41,7 @@ from common.memory import ActivationMeter, cuda_peak_bytes, model_state_bytes
 from common.model import build_model, count_parameters, get_config, loss_fn
 from common.reference import LockstepReference, make_optimizer
 from common.report import emit_report
+from data_parallel import DistributedDataParallel, NaiveDataParallel
 
 STRATEGIES = {
     "naive": lambda model, args: NaiveDataParallel(model),

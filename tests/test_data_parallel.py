@@ -12,8 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from data_parallel import DistributedDataParallel, NaiveDataParallel, assign_buckets
-from data_parallel import train as dp_train
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -24,6 +22,8 @@ from common.data import local_micro_batches, split_inputs_targets
 from common.dist import init_distributed
 from common.model import build_model, get_config, loss_fn
 from common.reference import TOLERANCE, make_optimizer
+from data_parallel import DistributedDataParallel, NaiveDataParallel, assign_buckets
+from data_parallel import train as dp_train
 from tests.equivalence import (
     RunRecord,
     TrainSpec,
