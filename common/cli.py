@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 
@@ -78,6 +79,8 @@ def validate_common(args: argparse.Namespace) -> None:
     require(args.steps > 0, f"--steps {args.steps}: must be positive")
     require(args.seq_len > 0, f"--seq-len {args.seq_len}: must be positive")
     require(args.lr > 0, f"--lr {args.lr}: must be positive")
+    require(args.data in (None, "synthetic") or Path(args.data).is_file(),
+            f"--data {args.data}: no such file; pass a text file, or 'synthetic' for random tokens")
     vocab = CONFIGS[args.model].vocab_size
     require(args.data == "synthetic" or vocab >= 256,
             f"--model {args.model} has vocab {vocab} < 256 bytes: use --data synthetic")

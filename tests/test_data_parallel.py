@@ -255,6 +255,8 @@ def validate_argv(argv: list[str]) -> tuple[int, int]:
     (["--bucket-mb", "0"], r"--bucket-mb 0.0: must be > 0"),
     (["--strategy", "zero"], r"--strategy 'zero' is unknown: use one of naive, ddp"),
     (["--micro-batch", "3"], r"--micro-batch 3 does not divide the 4 sequences per rank"),
+    (["--data", "/no/such/file"], r"--data /no/such/file: no such file"),
+    (["--steps", "0"], r"--steps 0: must be positive"),
 ])
 def test_bad_input_fails_on_every_rank_before_any_collective(pools, argv, message):
     with pytest.raises(RankError, match=message) as info:
