@@ -125,7 +125,8 @@ def train(args: argparse.Namespace, ctx: DistContext, micro_batch: int, grad_acc
         train_time += time.perf_counter() - start
         local_losses.append(loss_sum)
         if reference is not None:
-            reference.step(tokens, {n: p.grad for n, p in model.named_parameters()})
+            reference.step(tokens, {n: p.grad for n, p in model.named_parameters()},
+                           {n: p.detach() for n, p in model.named_parameters()})
         start = time.perf_counter()
         optimizer.step()
         if step == args.steps - 1:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from common.cli import DTYPES
 from common.data import SyntheticTokens
 from common.model import LlamaConfig
-from common.reference import TOLERANCE, ReferenceTrainer, max_relative_diff
+from common.reference import METRIC, TOLERANCE, ReferenceTrainer, relative_diff
 
 
 @dataclass(frozen=True)
@@ -82,16 +82,19 @@ def reference_record(spec: TrainSpec) -> RunRecord:
     return RunRecord(losses, grads, {k: v.clone() for k, v in trainer.parameters().items()})
 
 
-def differences(record: RunRecord, reference: RunRecord) -> dict[str, float]:
-    """Max relative differences (see common.reference.relative_diff) of a run from the reference."""
+def differences(record: RunRecord, reference: RunRecord,
+                dtype: torch.dtype = torch.float64) -> dict[str, float]:
+    """Max relative differences of a run from the reference, measured as common.reference's
+    TOLERANCE comment says (in METRIC[dtype])."""
     return {
         "loss": max(abs(a - b) / abs(b) for a, b in zip(record.losses, reference.losses, strict=True)),
-        "grad": max(max_relative_diff(g, r) for g, r in zip(record.grads, reference.grads, strict=True)),
-        "param": max_relative_diff(record.params, reference.params),
+        "grad": max(relative_diff(g, r, METRIC[dtype])
+                    for g, r in zip(record.grads, reference.grads, strict=True)),
+        "param": relative_diff(record.params, reference.params, METRIC[dtype]),
     }
 
 
 def assert_matches_reference(record: RunRecord, spec: TrainSpec, tolerance: float | None = None) -> None:
     tolerance = TOLERANCE[spec.torch_dtype] if tolerance is None else tolerance
-    diffs = differences(record, reference_record(spec))
+    diffs = differences(record, reference_record(spec), spec.torch_dtype)
     assert max(diffs.values()) <= tolerance, f"differs from single-device training: {diffs} > {tolerance}"
