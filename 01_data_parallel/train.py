@@ -13,10 +13,12 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from common.cli import (
     DTYPES,
@@ -90,9 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
-def train(args: argparse.Namespace, ctx: DistContext, micro_batch: int, grad_accum: int) -> dict:
+def train(args: argparse.Namespace, ctx: DistContext, micro_batch: int, grad_accum: int,
+          wrap: Callable[[nn.Module, argparse.Namespace], nn.Module] | None = None) -> dict:
     """Train for args.steps steps; return the run report (with --check, the verdict too, the same
-    on every rank)."""
+    on every rank). `wrap(model, args)` replaces STRATEGIES[args.strategy] (chapter 02 passes a
+    DDP whose all-reduce is its ring)."""
     seed_everything(args.seed)
     dtype, cfg, world_size = DTYPES[args.dtype], get_config(args.model), ctx.world_size
     data = (SyntheticTokens(cfg.vocab_size, args.seq_len, args.seed) if args.data == "synthetic"
@@ -100,7 +104,7 @@ def train(args: argparse.Namespace, ctx: DistContext, micro_batch: int, grad_acc
 
     # Every rank builds the same model from the same seed; the wrapper broadcasts rank 0's anyway.
     model = build_model(cfg, args.seed, dtype, ctx.device)
-    dp = STRATEGIES[args.strategy](model, args)
+    dp = (wrap or STRATEGIES[args.strategy])(model, args)
     optimizer = make_optimizer(model.parameters(), args.optimizer, args.lr)
     reference = (LockstepReference(cfg, args.seed, dtype, args.optimizer, args.lr, ctx.device)
                  if args.check and ctx.is_main else None)
