@@ -16,6 +16,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# Imported before any init_process_group, on purpose: torch.distributed.nn's functions take
+# `group=group.WORLD` as a default argument, so when it is first imported after init (torch.optim
+# pulls it in through torch._dynamo at the first step) they pin the live process group for good;
+# destroy_process_group then cannot join gloo's worker threads, and one still releasing a finished
+# all-reduce at interpreter exit aborts the process ("terminate called without an active
+# exception"; seen in ~1 of 4 runs of chapter 02's demo on 4 CPU ranks).
+import torch.distributed.nn
+
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 DEFAULT_TIMEOUT_S = 300.0
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -41,6 +42,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _send(conn, obj) -> None:
+    """Plain pickle, so tensors travel by value: torch's multiprocessing pickler would share each
+    tensor through a file descriptor, and a test returning hundreds of them runs out of them."""
+    conn.send_bytes(pickle.dumps(obj))
+
+
+def _recv(conn):
+    return pickle.loads(conn.recv_bytes())
+
+
 def _worker(rank: int, world_size: int, port: int, conn) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
@@ -51,17 +62,17 @@ def _worker(rank: int, world_size: int, port: int, conn) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
-    conn.send(("ready", None))
+    _send(conn, ("ready", None))
     while True:
-        message = conn.recv()
+        message = _recv(conn)
         if message is None:
             break
         fn, args, kwargs = message
         try:
-            conn.send(("ok", fn(*args, **kwargs)))
+            _send(conn, ("ok", fn(*args, **kwargs)))
         except BaseException as error:  # SystemExit too: a rank that exits must still report
             last = f"{type(error).__name__}: {error}"
-            conn.send(("error", (last, traceback.format_exc())))
+            _send(conn, ("error", (last, traceback.format_exc())))
     dist.destroy_process_group()
 
 
@@ -92,7 +103,7 @@ class RankPool:
                     continue
                 try:
                     if conn.poll(0.01):
-                        replies[rank] = conn.recv()
+                        replies[rank] = _recv(conn)
                         continue
                 except EOFError:
                     pass
@@ -114,7 +125,7 @@ class RankPool:
         if self.broken:
             raise RuntimeError("this pool was closed")
         for conn in self.conns:
-            conn.send((fn, args, kwargs))
+            _send(conn, (fn, args, kwargs))
         replies = self._collect(timeout, what=f"finish {fn.__name__}")
         errors = {r: v for r, (kind, v) in replies.items() if kind == "error"}
         if errors:
@@ -131,7 +142,7 @@ class RankPool:
         for conn, proc in zip(self.conns, self.procs, strict=True):
             try:
                 if proc.is_alive():
-                    conn.send(None)
+                    _send(conn, None)
             except (BrokenPipeError, OSError):
                 pass
         for proc in self.procs:

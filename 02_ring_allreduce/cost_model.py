@@ -1,0 +1,77 @@
+"""The alpha-beta (latency-bandwidth) cost model of an all-reduce, and its fit to measurements.
+
+A message of m bytes costs alpha + m·beta: alpha is the fixed latency of one message (software,
+wake-ups, the network's round trip), beta the seconds per byte (1 / link bandwidth). Counting the
+messages and bytes on the critical path of an all-reduce of S bytes over n ranks:
+
+    ring   2(n-1) steps of one S/n chunk       T = 2(n-1)·alpha + 2(n-1)/n · S·beta
+    naive  the root receives n-1 whole tensors T = 2(n-1)·alpha + 2(n-1)   · S·beta
+           and then sends n-1 back
+
+Both pay 2(n-1) latencies, so for tiny S they cost the same; for large S the ring's time tends to
+2·S·beta whatever n is, while the naive one grows as (n-1)·2·S·beta. The measured algorithm
+bandwidth is S/T and the bus bandwidth (nccl-tests) busbw = S/T · 2(n-1)/n, which for the ring
+tends to 1/beta: the link's own speed. `fit` finds alpha and beta from measured times by least
+squares on relative error (times span five orders of magnitude, so absolute error would let the
+largest sizes decide alone). Depends only on numpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def ring_terms(size_bytes: float, n: int) -> tuple[float, float]:
+    """(messages, bytes) on the ring's critical path: 2(n-1) and 2(n-1)/n · S."""
+    return 2.0 * (n - 1), 2.0 * (n - 1) / n * size_bytes
+
+
+def naive_terms(size_bytes: float, n: int) -> tuple[float, float]:
+    """(messages, bytes) through the naive root: 2(n-1) and 2(n-1) · S."""
+    return 2.0 * (n - 1), 2.0 * (n - 1) * size_bytes
+
+
+TERMS = {"ring": ring_terms, "naive": naive_terms}
+
+
+def bus_bandwidth(size_bytes: float, n: int, seconds: float) -> float:
+    """nccl-tests' busbw of an all-reduce: algbw · 2(n-1)/n, with algbw = S / t (bytes/s)."""
+    return size_bytes / seconds * (2.0 * (n - 1) / n)
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    alpha: float  # seconds per message
+    beta: float  # seconds per byte
+
+    def time(self, algorithm: str, size_bytes: float, n: int) -> float:
+        messages, nbytes = TERMS[algorithm](size_bytes, n)
+        return messages * self.alpha + nbytes * self.beta
+
+    @property
+    def bandwidth(self) -> float:
+        """1/beta in bytes/s: the bus bandwidth the ring approaches for large tensors."""
+        return 1.0 / self.beta if self.beta > 0 else float("inf")
+
+
+def fit(messages: Sequence[float], nbytes: Sequence[float], seconds: Sequence[float]) -> AlphaBeta:
+    """alpha, beta >= 0 minimising Σ ((messages·alpha + bytes·beta - t) / t)²."""
+    m, b, t = (np.asarray(x, dtype=np.float64) for x in (messages, nbytes, seconds))
+    if len(t) < 2 or np.any(t <= 0):
+        raise ValueError("fit needs at least two measurements, all with positive times")
+    design = np.stack([m / t, b / t], axis=1)  # each row divided by its t: relative residuals
+    target = np.ones_like(t)
+    (alpha, beta), *_ = np.linalg.lstsq(design, target, rcond=None)
+    if alpha >= 0 and beta >= 0:
+        return AlphaBeta(float(alpha), float(beta))
+    # A negative coefficient: the best fit with the other one alone (the constrained optimum).
+    candidates = []
+    for column in (0, 1):
+        x = design[:, column]
+        coef = max(float(x @ target / (x @ x)), 0.0) if x @ x > 0 else 0.0
+        candidates.append((float(np.sum((x * coef - target) ** 2)), column, coef))
+    _, column, coef = min(candidates)
+    return AlphaBeta(coef, 0.0) if column == 0 else AlphaBeta(0.0, coef)
