@@ -117,10 +117,11 @@ def validate(tensor: torch.Tensor, op=SUM, name: str = "tensor"):
             tensor.dtype, "view a complex tensor as real with torch.view_as_real (SUM/AVG only)")
         raise TypeError(f"{name} has dtype {tensor.dtype}, which gloo and NCCL cannot both reduce: "
                         f"{hint}. Supported: {', '.join(str(d) for d in SUPPORTED_DTYPES)}")
-    op = next((known for known in OP_NAMES if op is known or _same_op(op, known)), None) or op
-    if op not in OP_NAMES:
+    matches = [known for known in OP_NAMES if op is known or _same_op(op, known)]
+    if not matches:
         raise ValueError(f"op={op!r} is not supported: use dist.ReduceOp."
                          f"{', dist.ReduceOp.'.join(OP_NAMES.values())}")
+    op = matches[0]
     if op == AVG and not tensor.is_floating_point():
         raise TypeError(f"op=AVG of an integer tensor ({tensor.dtype}) is ambiguous (floor or true "
                         "division?), and torch's own gloo all_reduce rejects it: use SUM and divide "
