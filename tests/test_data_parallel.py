@@ -39,8 +39,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 # Deliberately broken variants: the negative controls that prove the checks can fail.
 class SumNotAverageDDP(DistributedDataParallel):
-    def __init__(self, module, bucket_cap_mb):
-        super().__init__(module, bucket_cap_mb=bucket_cap_mb)
+    def __init__(self, module, bucket_cap_mb, all_reduce=None):
+        super().__init__(module, bucket_cap_mb=bucket_cap_mb, all_reduce=all_reduce)
         self.world_size = 1  # sums the gradients, never divides by n
 
 
@@ -51,19 +51,21 @@ class SkipFirstBucketDDP(DistributedDataParallel):
         super()._launch_ready_buckets()
 
 
-def wrap(model: nn.Module, strategy: str, bucket_cap_mb: float) -> nn.Module:
+def wrap(model: nn.Module, strategy: str, bucket_cap_mb: float, all_reduce=None) -> nn.Module:
     if strategy == "naive":
         return NaiveDataParallel(model)
     cls = {"ddp": DistributedDataParallel, "sum-not-average": SumNotAverageDDP,
            "skip-first-bucket": SkipFirstBucketDDP}[strategy]
-    return cls(model, bucket_cap_mb=bucket_cap_mb)
+    return cls(model, bucket_cap_mb=bucket_cap_mb, all_reduce=all_reduce)
 
 
-def train_data_parallel(spec: TrainSpec, strategy: str, bucket_cap_mb: float = 25.0) -> RunRecord:
-    """Runs on every rank: the chapter's training step, recording full gradients each step."""
+def train_data_parallel(spec: TrainSpec, strategy: str, bucket_cap_mb: float = 25.0,
+                        all_reduce=None) -> RunRecord:
+    """Runs on every rank: the chapter's training step, recording full gradients each step.
+    `all_reduce` replaces DDP's `dist.all_reduce` (chapter 02's ring)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(spec.cfg, spec.seed, spec.torch_dtype)
-    dp = wrap(model, strategy, bucket_cap_mb)
+    dp = wrap(model, strategy, bucket_cap_mb, all_reduce)
     optimizer = make_optimizer(model.parameters(), spec.optimizer, spec.lr)
     data, losses, grads = spec.data(), [], []
     for step in range(spec.steps):
@@ -85,9 +87,9 @@ def train_data_parallel(spec: TrainSpec, strategy: str, bucket_cap_mb: float = 2
 
 
 def run_data_parallel(pools, spec: TrainSpec, strategy: str, bucket_cap_mb: float = 25.0,
-                      replicas_must_agree: bool = True) -> RunRecord:
+                      replicas_must_agree: bool = True, all_reduce=None) -> RunRecord:
     """All ranks' records → one: replicas must agree exactly; the step loss is the ranks' mean."""
-    records = pools.run(spec.world_size, train_data_parallel, spec, strategy, bucket_cap_mb)
+    records = pools.run(spec.world_size, train_data_parallel, spec, strategy, bucket_cap_mb, all_reduce)
     for rank, record in enumerate(records[1:] if replicas_must_agree else [], start=1):
         for name, p in record.params.items():
             assert torch.equal(p, records[0].params[name]), f"rank {rank} drifted from rank 0 in {name}"

@@ -20,7 +20,6 @@ import os
 import re
 import subprocess
 import sys
-from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -30,10 +29,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.comm import CommMeter, all_gather_single
-from common.data import local_micro_batches, split_inputs_targets
-from common.model import build_model, get_config, loss_fn
-from common.reference import make_optimizer
-from data_parallel import DistributedDataParallel
+from common.model import get_config
 from ring_allreduce import bench as ring_bench
 from ring_allreduce import ring as ring_module
 from ring_allreduce import train as ring_train
@@ -56,6 +52,7 @@ from ring_allreduce.ring import (
 from ring_allreduce.simulator import diagram, simulate
 from tests.equivalence import RunRecord, TrainSpec, assert_matches_reference, data_parallel_specs
 from tests.harness import RankError
+from tests.test_data_parallel import run_data_parallel
 
 REPO = Path(__file__).resolve().parent.parent
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16,
@@ -374,47 +371,19 @@ def test_cost_model_fit_recovers_known_alpha_and_beta():
 
 # ---------------------------------------------------------------- DDP on the ring trains exactly
 
-def train_ddp_with(spec: TrainSpec, algorithm: str, bucket_cap_mb: float) -> RunRecord:
-    """Chapter 01's DDP, its all_reduce replaced; the full gradients recorded every step."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    all_reduce = {"ring": ring_all_reduce, "naive": naive_all_reduce,
-                  "ring-without-local-data": broken_ring_all_reduce}[algorithm]
-    model = build_model(spec.cfg, spec.seed, spec.torch_dtype)
-    dp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, all_reduce=all_reduce)
-    optimizer = make_optimizer(model.parameters(), spec.optimizer, spec.lr)
-    data, losses, grads = spec.data(), [], []
-    for step in range(spec.steps):
-        micro = local_micro_batches(data.global_batch(step, spec.global_batch), rank, world,
-                                    spec.micro_batch)
-        loss_sum = 0.0
-        for i, tokens in enumerate(micro):
-            inputs, targets = split_inputs_targets(tokens)
-            with nullcontext() if i == len(micro) - 1 else dp.no_sync():
-                loss = loss_fn(dp(inputs), targets) / len(micro)
-                loss.backward()
-            loss_sum += loss.item()
-        dp.finish()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        losses.append(loss_sum)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return RunRecord(losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()})
+ALL_REDUCES = {"ring": ring_all_reduce, "naive": naive_all_reduce}
 
 
-def run_ddp_with(pools, spec: TrainSpec, algorithm: str, bucket_cap_mb: float) -> RunRecord:
-    records = pools.run(spec.world_size, train_ddp_with, spec, algorithm, bucket_cap_mb)
-    for rank, record in enumerate(records[1:], start=1):
-        for name, p in records[0].params.items():
-            assert torch.equal(record.params[name], p), f"rank {rank}'s replica drifted at {name}"
-    losses = [sum(r.losses[s] for r in records) / len(records) for s in range(spec.steps)]
-    return RunRecord(losses, records[0].grads, records[0].params)
+def run_ddp_with(pools, spec: TrainSpec, all_reduce, bucket_cap_mb: float) -> RunRecord:
+    """Chapter 01's DDP test run (replicas must agree), its all_reduce replaced."""
+    return run_data_parallel(pools, spec, "ddp", bucket_cap_mb, all_reduce=all_reduce)
 
 
 @given(spec=data_parallel_specs(), algorithm=st.sampled_from(["ring", "naive"]),
        bucket_cap_mb=st.sampled_from([1e-6, 0.004, 25.0]))
 @settings(max_examples=4)
 def test_ddp_on_the_ring_equals_single_device_float64(pools, spec, algorithm, bucket_cap_mb):
-    assert_matches_reference(run_ddp_with(pools, spec, algorithm, bucket_cap_mb), spec)
+    assert_matches_reference(run_ddp_with(pools, spec, ALL_REDUCES[algorithm], bucket_cap_mb), spec)
 
 
 # ---------------------------------------------------------------- negative controls
@@ -472,7 +441,7 @@ def test_ddp_on_a_broken_ring_is_detected(pools):
     spec = TrainSpec(cfg=get_config("tiny", n_layers=1), world_size=2,
                      global_batch=4, micro_batch=1, seq_len=6, steps=2, optimizer="sgd")
     with pytest.raises(AssertionError, match=r"differs from single-device training|drifted"):
-        assert_matches_reference(run_ddp_with(pools, spec, "ring-without-local-data", 0.004), spec)
+        assert_matches_reference(run_ddp_with(pools, spec, broken_ring_all_reduce, 0.004), spec)
 
 
 # ---------------------------------------------------------------- bad input: a clear error on every rank
