@@ -1,17 +1,23 @@
 """DistributedDataParallel from scratch: bucketed gradient all-reduce that overlaps backward.
 
 Gradients become ready in roughly reverse registration order (the last layer's first), so the
-parameters are packed in that order into flat buckets of at most `bucket_cap_mb`. A hook fires
-as each parameter's gradient is accumulated; it copies the gradient into its bucket slot (and
-makes `param.grad` a view of that slot, so later steps accumulate in place), and when the last
-gradient of a bucket lands, the bucket's all-reduce starts asynchronously while autograd goes on
-computing the earlier layers. `finish()` waits for the buckets and divides by n:
+parameters are packed in that order into flat buckets of at most `bucket_cap_mb`. `param.grad` is
+a view of its bucket slot from the start (torch's `gradient_as_bucket_view`), so autograd
+accumulates into the bucket in place and there is one copy of the gradients, not two. A hook
+fires as each parameter's gradient is accumulated; when the last gradient of a bucket lands, the
+bucket's all-reduce starts asynchronously while autograd goes on computing the earlier layers. At
+the end of backward (an autograd-engine callback, as in torch's DDP) every bucket is waited for
+and divided by n, so `loss.backward(); optimizer.step()` works unchanged:
 
-    g = (1/n) Σ_r g_r          wire bytes per rank per step: 2(n-1)/n · P · bytes_per_param
+    g = (1/n) Σ_r g_r          wire bytes per rank per step: 2(n-1)/n · P · bytes_per_grad
 
 the same bytes as the naive version in ⌈P·b / bucket_cap⌉ calls instead of one per tensor, and
 mostly hidden behind backward. Buckets launch strictly in index order on every rank, so the
-collectives match across ranks even if autograd's order differs. Depends only on torch.
+collectives match across ranks even if autograd's order differs.
+
+`reduce_dtype=torch.float32` with bf16 parameters keeps the buckets in fp32 (Megatron's
+`main_grad`): each micro-batch's bf16 gradient is added into `param.main_grad` and freed, and the
+sum is reduced in fp32 (2(n-1)/n · P · 4 bytes). Depends only on torch.
 """
 
 from __future__ import annotations
@@ -53,10 +59,11 @@ def assign_buckets(named_params: list[tuple[str, nn.Parameter]],
 
 
 class DistributedDataParallel(nn.Module):
-    """`loss.backward()` then `model.finish()` leaves the averaged gradient on every rank."""
+    """`loss.backward()` leaves the averaged gradient in `param.grad` (or, with a wider
+    `reduce_dtype`, in `param.main_grad`) on every rank."""
 
     def __init__(self, module: nn.Module, group=None, bucket_cap_mb: float = 25.0,
-                 all_reduce: Callable | None = None):
+                 all_reduce: Callable | None = None, reduce_dtype: torch.dtype | None = None):
         """`all_reduce`: a drop-in for `dist.all_reduce(tensor, op=, group=, async_op=True)`
         returning a handle with `.wait()`, e.g. chapter 02's `ring_all_reduce`."""
         super().__init__()
@@ -64,23 +71,28 @@ class DistributedDataParallel(nn.Module):
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb} must be > 0 (e.g. 25, torch's default)")
         self.module, self.group, self._all_reduce = module, group, all_reduce
         self.world_size = dist.get_world_size(group)
-        self._sync = True
+        self._sync, self._pending = True, False
         broadcast_module(module, group)
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.main_grad = reduce_dtype is not None and any(p.dtype != reduce_dtype for _, p in named)
         self.buckets: list[Bucket] = []
         self._slot: dict[nn.Parameter, tuple[int, int, torch.Tensor]] = {}
         for b, members in enumerate(assign_buckets(named, bucket_cap_mb * 2**20)):
             params = [p for _, p in members]
-            buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
-                                 device=params[0].device)
+            buffer = torch.zeros(sum(p.numel() for p in params), device=params[0].device,
+                                 dtype=reduce_dtype if self.main_grad else params[0].dtype)
             offset = 0
             for i, p in enumerate(params):
                 self._slot[p] = (b, i, buffer[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
             self.buckets.append(Bucket(buffer, params, [n for n, _ in members]))
         self._next_bucket = 0
-        for p in self._slot:
+        for p, (_, _, slot) in self._slot.items():
+            if self.main_grad:
+                p.main_grad = slot
+            else:
+                p.grad = slot
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
     def forward(self, *args, **kwargs):
@@ -95,14 +107,32 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._sync = previous
 
+    def zero_grad(self) -> None:
+        """Zero the buckets in place (the gradients stay views of them)."""
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+        if not self.main_grad:
+            for p, (_, _, slot) in self._slot.items():
+                p.grad = slot
+
     def _on_grad_ready(self, p: nn.Parameter) -> None:
-        if not self._sync:
-            return
         b, i, slot = self._slot[p]
-        if p.grad.data_ptr() != slot.data_ptr():
+        if self.main_grad:
+            slot.add_(p.grad)  # bf16 → fp32 accumulation, every micro-batch
+            p.grad = None
+        elif p.grad.data_ptr() != slot.data_ptr():  # the optimizer set it to None: re-adopt
             slot.copy_(p.grad)
             p.grad = slot
-        self.buckets[b].ready.add(i)
+        if not self._sync:
+            return
+        bucket = self.buckets[b]
+        if i in bucket.ready:
+            raise RuntimeError(f"gradient of {bucket.names[i]!r} became ready twice before its "
+                               "bucket was reduced: one backward per step, or use no_sync()")
+        if not self._pending:
+            self._pending = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        bucket.ready.add(i)
         self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
@@ -116,9 +146,11 @@ class DistributedDataParallel(nn.Module):
             self._next_bucket += 1
 
     def finish(self) -> None:
-        """Wait for every bucket's all-reduce and divide by n (SUM then divide: never AVG)."""
-        if not self._sync:
+        """Wait for every bucket's all-reduce and divide by n (SUM then divide: never AVG). Runs
+        by itself at the end of backward; calling it again is harmless."""
+        if not self._pending:
             return
+        self._pending = False
         missing = [name for bucket in self.buckets for i, name in enumerate(bucket.names)
                    if i not in bucket.ready]
         for bucket in self.buckets:

@@ -14,39 +14,24 @@
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 
 import torch
 import torch.distributed as dist
 
-from common.cli import (
-    ConfigError,
-    base_parser,
-    batch_layout,
-    exit_on_config_error,
-    require,
-    validate_common,
-)
-from common.dist import (
-    DistContext,
-    LaunchError,
-    env_world_size,
-    init_distributed,
-    shutdown,
-)
-from common.report import emit_report
+from common.cli import BatchLayout, base_parser, batch_layout, require, validate_common
+from common.dist import DistContext
+from common.training import Strategy, run_main
 from data_parallel import DistributedDataParallel
-from data_parallel.train import train as data_parallel_train
+from data_parallel.train import DataParallelStrategy
+from ring_allreduce.agreement import CHECK_BYTES  # the call check's message (check=True)
 from ring_allreduce.bench import ALGORITHMS as TIMED
 from ring_allreduce.bench import time_calls
 from ring_allreduce.cost_model import bus_bandwidth
 from ring_allreduce.naive import naive_all_reduce
-from ring_allreduce.ring import AVG, MAX, MIN, PRODUCT, SUM, ring_all_reduce
+from ring_allreduce.ring import AVG, MAX, MIN, PRODUCT, SUM, CheckOncePerShape, ring_all_reduce
 
 ALGORITHMS = {"ring": ring_all_reduce, "naive": naive_all_reduce, "builtin": None}  # None: dist's
-CHECK_BYTES = 16  # the call signature ring/naive exchange per hop before the data (check=True)
 # max |ring - builtin| / max |builtin|: only the order of the reduction differs.
 VERIFY_TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.int64: 0.0}
 
@@ -60,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def validate(args: argparse.Namespace, world_size: int) -> tuple[int, int]:
+def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
     """Everything that can be wrong with the input, checked before any collective."""
     validate_common(args)
     require(args.algorithm in ALGORITHMS,
@@ -117,61 +102,60 @@ def compare_bandwidth(size_mb: float, device: torch.device, rounds: int = 3, ite
     return result
 
 
-def comm_formula(algorithm: str, bucket_bytes: list[int], world: int, rank: int, steps: int) -> float:
-    """Per rank and step, for each bucket: ring 2(n-1)/n·S + 16(n-1) (the call check); naive
-    (n-1)·S + 16(n-1) on the root (rank 0), S + 16 elsewhere; torch's own 2(n-1)/n·S."""
+def comm_formula(algorithm: str, buckets: list[tuple[int, torch.dtype]], world: int, rank: int,
+                 steps: int) -> float:
+    """Per rank, for each bucket (numel, dtype) of S bytes and each step: ring 2(n-1)/n·S; naive
+    (n-1)·S on the root (rank 0), S elsewhere; torch's own 2(n-1)/n·S. Plus, for ring and naive,
+    the call check (32 bytes a message: n-1 of them, or the root's n-1 and one elsewhere) on the
+    first call of each bucket shape only (CheckOncePerShape): DDP's calls repeat every step."""
     if world == 1:
         return 0.0
     n = world
-    per_bucket = {
-        "ring": lambda s: 2 * (n - 1) / n * s + CHECK_BYTES * (n - 1),
-        "naive": lambda s: (n - 1) * (s + CHECK_BYTES) if rank == 0 else s + CHECK_BYTES,
-        "builtin": lambda s: 2 * (n - 1) / n * s,
-    }[algorithm]
-    return steps * sum(per_bucket(s) for s in bucket_bytes)
+    data = {"ring": lambda s: 2 * (n - 1) / n * s, "builtin": lambda s: 2 * (n - 1) / n * s,
+            "naive": lambda s: (n - 1) * s if rank == 0 else s}[algorithm]
+    checks = {"ring": CHECK_BYTES * (n - 1), "builtin": 0,
+              "naive": CHECK_BYTES * (n - 1) if rank == 0 else CHECK_BYTES}[algorithm]
+    return (steps * sum(data(numel * dtype.itemsize) for numel, dtype in buckets)
+            + checks * len(set(buckets)))
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        world_size = env_world_size()
-        micro_batch, grad_accum = validate(args, world_size)
-    except (ConfigError, LaunchError) as error:
-        exit_on_config_error(os.environ.get("RANK", "?"), error)
-    ctx = init_distributed()
-    report = train(args, ctx, micro_batch, grad_accum)
-    if ctx.is_main:
-        emit_report(report, args.report)
-    status = 0 if report.get("check_passed", True) and report["ring_vs_builtin"]["passed"] else 1
-    shutdown()
-    return status
+class RingDataParallelStrategy(DataParallelStrategy):
+    """Chapter 01's DDP strategy with --algorithm's all-reduce in place of dist.all_reduce. The
+    ring and the naive all-reduce check the call on the first step only: DDP's buckets are fixed
+    at construction, so later steps repeat calls that every rank already agreed on."""
+
+    def __init__(self, args: argparse.Namespace, ctx: DistContext):
+        self.algorithm, self.rank = args.algorithm, ctx.rank
+        fn = ALGORITHMS[args.algorithm]
+        super().__init__(args, ctx, lambda model, a: DistributedDataParallel(
+            model, bucket_cap_mb=a.bucket_mb, all_reduce=CheckOncePerShape(fn) if fn else None,
+            reduce_dtype=torch.float32 if a.mixed_precision == "bf16" else None))
+        self.name = f"ddp+{args.algorithm}"
+
+    def formulas(self, steps: int) -> tuple[float, dict[str, float]]:
+        buckets = [(b.buffer.numel(), b.buffer.dtype) for b in self.dp.buckets]
+        _, memory = super().formulas(steps)
+        return comm_formula(self.algorithm, buckets, self.dp_size, self.rank, steps), memory
+
+    def report_extras(self) -> dict:
+        return {"buckets": len(self.dp.buckets)}
 
 
-def train(args: argparse.Namespace, ctx: DistContext, micro_batch: int, grad_accum: int) -> dict:
-    """Verify, time, then train for args.steps steps through chapter 01's loop with a DDP whose
-    all-reduce is --algorithm's; return the run report."""
+def build(args: argparse.Namespace, ctx: DistContext, layout: BatchLayout) -> Strategy:
+    return RingDataParallelStrategy(args, ctx)
+
+
+def verify_and_time(args: argparse.Namespace, ctx: DistContext) -> dict:
+    """Before training: the ring against dist.all_reduce, then the bandwidth comparison."""
     verification = verify_against_builtin(args.seed, ctx.device)
     bandwidth = compare_bandwidth(args.bench_mb, ctx.device) if args.bench_mb > 0 else {}
-    buckets: list[int] = []
-
-    def wrap(model, args):
-        dp = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb,
-                                     all_reduce=ALGORITHMS[args.algorithm])
-        buckets.extend(b.buffer.numel() * b.buffer.element_size() for b in dp.buckets)
-        return dp
-
-    args.strategy = f"ddp+{args.algorithm}"
-    report = data_parallel_train(args, ctx, micro_batch, grad_accum, wrap=wrap)
-    report.update(
-        chapter=2, buckets=len(buckets), ring_vs_builtin=verification, bandwidth=bandwidth,
-        comm_bytes_formula=comm_formula(args.algorithm, buckets, ctx.world_size, ctx.rank, args.steps),
-    )
+    extras = {"ring_vs_builtin": verification, "bandwidth": bandwidth}
     if ctx.is_main:
-        print_extras(report)
-    return report
+        print_extras(extras, ctx.world_size)
+    return extras
 
 
-def print_extras(report: dict) -> None:
+def print_extras(report: dict, world_size: int) -> None:
     """The chapter's own numbers, before the standard table."""
     v = report["ring_vs_builtin"]
     diffs = ", ".join(f"{d.removeprefix('torch.')} {x:.1e}" for d, x in v["max_rel_diff"].items())
@@ -179,9 +163,9 @@ def print_extras(report: dict) -> None:
     if report["bandwidth"]:
         b = report["bandwidth"]
         cells = " · ".join(f"{a} {b[a]['busbw_GBps']:.3f} GB/s" for a in TIMED)
-        print(f"bus bandwidth, {b['size_bytes'] / 2**20:g} MiB float32 on {report['world_size']} ranks: "
+        print(f"bus bandwidth, {b['size_bytes'] / 2**20:g} MiB float32 on {world_size} ranks: "
               f"{cells}")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(parse_args, validate, build, chapter=2, before_training=verify_and_time)

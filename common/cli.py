@@ -9,16 +9,24 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from common.model import CONFIGS
+from common.model import CONFIGS, LlamaConfig, get_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 class ConfigError(ValueError):
     """Bad input: the message names the flag, the value and the fix."""
+
+
+class BatchLayout(NamedTuple):
+    """global_batch = dp · grad_accum · micro_batch (sequences)."""
+
+    micro_batch: int
+    grad_accum: int
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:
@@ -36,6 +44,13 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    p.add_argument("--clip-grad", type=float, default=None, metavar="MAX_NORM",
+                   help="clip gradients to this global L2 norm (torch.nn.utils.clip_grad_norm_)")
+    p.add_argument("--mixed-precision", choices=("none", "bf16"), default="none",
+                   help="bf16: compute in bfloat16 with fp32 master weights, fp32 gradient reduction "
+                        "and fp32 optimizer state (needs --dtype float32)")
+    p.add_argument("--log-every", type=int, default=1, metavar="K",
+                   help="print a progress line every K steps on rank 0 (0: quiet)")
     p.add_argument("--data", default=None, metavar="FILE",
                    help="byte-level text file (default: this repo's .md/.py); 'synthetic' for random tokens")
     p.add_argument("--check", action="store_true",
@@ -45,13 +60,18 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def model_config(args: argparse.Namespace) -> LlamaConfig:
+    """`args.cfg` when a test passes a drawn config, else the named `--model`."""
+    return getattr(args, "cfg", None) or get_config(args.model)
+
+
 def require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
 
 
 def batch_layout(global_batch: int, dp: int, micro_batch: int | None,
-                 grad_accum: int | None) -> tuple[int, int]:
+                 grad_accum: int | None) -> BatchLayout:
     """(micro_batch, grad_accum) with global_batch = dp · grad_accum · micro_batch."""
     require(global_batch > 0, f"--global-batch {global_batch}: must be positive")
     require(global_batch % dp == 0,
@@ -65,23 +85,29 @@ def batch_layout(global_batch: int, dp: int, micro_batch: int | None,
         require(per_rank % grad_accum == 0,
                 f"--grad-accum {grad_accum} does not divide the {per_rank} sequences per rank "
                 f"(--global-batch {global_batch} / dp {dp}): use a divisor of {per_rank}")
-        return per_rank // grad_accum, grad_accum
+        return BatchLayout(per_rank // grad_accum, grad_accum)
     require(per_rank % micro_batch == 0,
             f"--micro-batch {micro_batch} does not divide the {per_rank} sequences per rank "
             f"(--global-batch {global_batch} / dp {dp}): use a divisor of {per_rank}")
     require(grad_accum is None or grad_accum * micro_batch == per_rank,
             f"--grad-accum {grad_accum} × --micro-batch {micro_batch} != {per_rank} sequences per "
             f"rank (--global-batch {global_batch} / dp {dp}): drop one of the two flags")
-    return micro_batch, per_rank // micro_batch
+    return BatchLayout(micro_batch, per_rank // micro_batch)
 
 
 def validate_common(args: argparse.Namespace) -> None:
     require(args.steps > 0, f"--steps {args.steps}: must be positive")
     require(args.seq_len > 0, f"--seq-len {args.seq_len}: must be positive")
     require(args.lr > 0, f"--lr {args.lr}: must be positive")
+    clip = getattr(args, "clip_grad", None)
+    require(clip is None or clip > 0, f"--clip-grad {clip}: must be > 0 (omit the flag to not clip)")
+    require(getattr(args, "log_every", 0) >= 0, f"--log-every {args.log_every}: must be >= 0")
+    require(getattr(args, "mixed_precision", "none") == "none" or args.dtype == "float32",
+            f"--mixed-precision {getattr(args, 'mixed_precision', None)} with --dtype {args.dtype}: "
+            "the master weights are float32, use --dtype float32")
     require(args.data in (None, "synthetic") or Path(args.data).is_file(),
             f"--data {args.data}: no such file; pass a text file, or 'synthetic' for random tokens")
-    vocab = CONFIGS[args.model].vocab_size
+    vocab = model_config(args).vocab_size
     require(args.data == "synthetic" or vocab >= 256,
             f"--model {args.model} has vocab {vocab} < 256 bytes: use --data synthetic")
 

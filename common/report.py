@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 REPORT_KEYS = (
-    "chapter", "strategy", "world_size", "mesh", "backend", "device", "dtype", "steps", "losses",
-    "reference_losses", "max_loss_diff", "max_grad_diff", "max_param_diff", "tolerance",
-    "check_passed", "tokens_per_s", "comm", "comm_bytes_per_rank", "comm_bytes_formula",
-    "memory", "memory_formula",
+    "chapter", "strategy", "world_size", "mesh", "backend", "device", "dtype", "mixed_precision",
+    "steps", "losses", "reference_losses", "max_loss_diff", "max_grad_diff", "max_param_diff",
+    "tolerance", "teacher_forced", "free_running", "check_passed", "tokens_per_s", "comm",
+    "comm_bytes_per_rank", "comm_bytes_formula", "memory", "memory_formula",
 )
 
 
@@ -33,12 +33,13 @@ def _ratio(measured: float | None, formula: float | None) -> str:
 def summary_table(report: dict) -> str:
     mesh = " × ".join(f"{k}={v}" for k, v in report["mesh"].items())
     losses = report["losses"]
+    precision = report["dtype"] + (" + bf16 mixed" if report.get("mixed_precision") == "bf16" else "")
     lines = [
         f"chapter {report['chapter']} · {report['strategy']} · {mesh} · {report['backend']} on "
-        f"{report['device']} · {report['dtype']} · {report['steps']} steps",
+        f"{report['device']} · {precision} · {report['steps']} steps",
         f"loss {losses[0]:.4f} → {losses[-1]:.4f} · {report['tokens_per_s']:.0f} tokens/s",
         f"{'per rank':<22}{'measured':>14}{'formula':>14}{'ratio':>9}",
-        f"{'comm (all steps)':<22}{human_bytes(report['comm_bytes_per_rank']):>14}"
+        f"{'comm (accounted)':<22}{human_bytes(report['comm_bytes_per_rank']):>14}"
         f"{human_bytes(report['comm_bytes_formula']):>14}"
         f"{_ratio(report['comm_bytes_per_rank'], report['comm_bytes_formula']):>9}",
     ]
@@ -51,8 +52,14 @@ def summary_table(report: dict) -> str:
         lines.append(
             f"check vs single device: {verdict} (tolerance {report['tolerance']:.0e}) · max rel diff "
             f"loss {report['max_loss_diff']:.2e} · grad {report['max_grad_diff']:.2e} · "
-            f"param {report['max_param_diff']:.2e}"
+            f"param {report['max_param_diff']:.2e} (each step from the same parameters)"
         )
+        if free := report.get("free_running"):
+            lines.append(
+                f"  free-running float64 reference, {report['steps']} steps: loss "
+                f"{free['max_loss_diff']:.2e} · grad {free['max_grad_diff']:.2e} · "
+                f"param {free['max_param_diff']:.2e}"
+            )
     return "\n".join(lines)
 
 

@@ -4,15 +4,19 @@ against it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 from hypothesis import strategies as st
 
 from common.cli import DTYPES
 from common.data import SyntheticTokens
 from common.model import LlamaConfig
-from common.reference import METRIC, TOLERANCE, ReferenceTrainer, relative_diff
+from common.reference import METRIC, TOLERANCE, make_reference, precision_key, relative_diff
+from common.training import Strategy, rank_micro_batches
 
 
 @dataclass(frozen=True)
@@ -27,14 +31,26 @@ class TrainSpec:
     optimizer: str = "adamw"
     lr: float = 1e-2
     seed: int = 0
+    clip_grad: float | None = None
+    mixed_precision: str = "none"  # "bf16": bf16 compute, fp32 master/reduce/optimizer (dtype float32)
+    dp: int | None = None  # data-parallel size (default: world_size; TP and PP ranks share data)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
     @property
+    def precision(self) -> torch.dtype | str:
+        """The row of the README's tolerance table this spec is checked against."""
+        return precision_key(self.torch_dtype, self.mixed_precision)
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size if self.dp is None else self.dp
+
+    @property
     def grad_accum(self) -> int:
-        return self.global_batch // (self.world_size * self.micro_batch)
+        return self.global_batch // (self.dp_size * self.micro_batch)
 
     def data(self) -> SyntheticTokens:
         return SyntheticTokens(self.cfg.vocab_size, self.seq_len, self.seed)
@@ -73,7 +89,8 @@ class RunRecord:
 
 
 def reference_record(spec: TrainSpec) -> RunRecord:
-    trainer = ReferenceTrainer(spec.cfg, spec.seed, spec.torch_dtype, spec.optimizer, spec.lr)
+    trainer = make_reference(spec.cfg, spec.seed, spec.torch_dtype, spec.optimizer, spec.lr,
+                             clip_grad=spec.clip_grad, mixed_precision=spec.mixed_precision)
     data, losses, grads = spec.data(), [], []
     for step in range(spec.steps):
         loss, g = trainer.step(data.global_batch(step, spec.global_batch))
@@ -83,7 +100,7 @@ def reference_record(spec: TrainSpec) -> RunRecord:
 
 
 def differences(record: RunRecord, reference: RunRecord,
-                dtype: torch.dtype = torch.float64) -> dict[str, float]:
+                dtype: torch.dtype | str = torch.float64) -> dict[str, float]:
     """Max relative differences of a run from the reference, measured as common.reference's
     TOLERANCE comment says (in METRIC[dtype])."""
     return {
@@ -95,6 +112,82 @@ def differences(record: RunRecord, reference: RunRecord,
 
 
 def assert_matches_reference(record: RunRecord, spec: TrainSpec, tolerance: float | None = None) -> None:
-    tolerance = TOLERANCE[spec.torch_dtype] if tolerance is None else tolerance
-    diffs = differences(record, reference_record(spec), spec.torch_dtype)
+    tolerance = TOLERANCE[spec.precision] if tolerance is None else tolerance
+    diffs = differences(record, reference_record(spec), spec.precision)
     assert max(diffs.values()) <= tolerance, f"differs from single-device training: {diffs} > {tolerance}"
+
+
+# --- strategies through the shared interface (common.training.Strategy) -----------------------
+
+StrategyFactory = Callable[..., Strategy]  # factory(spec, *args) -> Strategy, called on every rank
+
+
+def train_strategy(spec: TrainSpec, factory: StrategyFactory, *args) -> RunRecord:
+    """Runs on every rank: the shared loop's steps (forward_backward, full gradients, step,
+    zero_grad) for `spec.steps` steps. Every rank returns its own losses (None where it computes
+    none); rank 0's record also carries the gathered gradients and final parameters."""
+    strategy = factory(spec, *args)
+    device = next(strategy.model.parameters()).device
+    data, losses, grads = spec.data(), [], []
+    for step in range(spec.steps):
+        micro = rank_micro_batches(strategy, data.global_batch(step, spec.global_batch),
+                                   spec.micro_batch, device)
+        losses.append(strategy.forward_backward(micro))
+        full = strategy.full_gradients()
+        if dist.get_rank() == 0:
+            grads.append({n: g.detach().cpu().clone() for n, g in full.items()})
+        strategy.step()
+        strategy.zero_grad()
+    params = strategy.full_parameters()
+    if dist.get_rank() != 0:
+        return RunRecord(losses, [], {})
+    return RunRecord(losses, grads, {n: p.detach().cpu().clone() for n, p in params.items()})
+
+
+def run_strategy(pools, spec: TrainSpec, factory: StrategyFactory, *args) -> RunRecord:
+    """All ranks' records → one: the step loss is the mean over the ranks that report one (the
+    shared loop's rule); gradients and parameters are rank 0's gathered ones."""
+    records = pools.run(spec.world_size, train_strategy, spec, factory, *args)
+    losses = []
+    for step in range(spec.steps):
+        values = [r.losses[step] for r in records if r.losses[step] is not None]
+        assert values, f"no rank reported a loss at step {step}"
+        losses.append(sum(values) / len(values))
+    return RunRecord(losses, records[0].grads, records[0].params)
+
+
+def check_strategy(pools, spec: TrainSpec, factory: StrategyFactory, *args) -> dict[str, float]:
+    """The equivalence property of every chapter: the strategy built by `factory` on each rank
+    trains the same losses, per-step gradients and final parameters as the single-device
+    reference, within TOLERANCE[spec.precision]. Returns the differences."""
+    tolerance = TOLERANCE[spec.precision]
+    diffs = differences(run_strategy(pools, spec, factory, *args), reference_record(spec), spec.precision)
+    assert max(diffs.values()) <= tolerance, f"differs from single-device training: {diffs} > {tolerance}"
+    return diffs
+
+
+def check_strategy_rejected(pools, spec: TrainSpec, factory: StrategyFactory, *args,
+                            margin: float = 10.0) -> dict[str, float]:
+    """The negative control: a deliberately broken strategy must miss the reference by more than
+    `margin` × the tolerance that `check_strategy` applies (so the check can fail, and not by
+    luck). Returns the differences."""
+    tolerance = TOLERANCE[spec.precision]
+    diffs = differences(run_strategy(pools, spec, factory, *args), reference_record(spec), spec.precision)
+    assert max(diffs.values()) > margin * tolerance, (
+        f"a broken strategy passed: {diffs} within {margin} × {tolerance}")
+    return diffs
+
+
+def with_spec(spec: TrainSpec, **changes) -> TrainSpec:
+    return replace(spec, **changes)
+
+
+def spec_args(spec: TrainSpec, **chapter_flags) -> argparse.Namespace:
+    """The namespace a chapter's `train.py` would parse for this spec (shared flags + the
+    chapter's own), so a test builds the strategy exactly as the demo does."""
+    return argparse.Namespace(
+        cfg=spec.cfg, model=None, seed=spec.seed, dtype=spec.dtype, optimizer=spec.optimizer,
+        lr=spec.lr, clip_grad=spec.clip_grad, mixed_precision=spec.mixed_precision,
+        global_batch=spec.global_batch, micro_batch=spec.micro_batch, grad_accum=spec.grad_accum,
+        seq_len=spec.seq_len, steps=spec.steps, data="synthetic", check=False, report=None,
+        log_every=0, **chapter_flags)

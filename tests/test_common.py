@@ -133,4 +133,4 @@ def test_report_prints_json_as_last_line(tmp_path, capsys):
     emit_report(report, str(tmp_path / "r.json"))
     out = capsys.readouterr().out.strip().splitlines()
     assert json.loads(out[-1]) == report == json.loads((tmp_path / "r.json").read_text())
-    assert any("comm (all steps)" in line and "2.0000" in line for line in out)
+    assert any("comm (accounted)" in line and "2.0000" in line for line in out)

@@ -22,6 +22,7 @@ from common.data import local_micro_batches, split_inputs_targets
 from common.dist import init_distributed
 from common.model import build_model, get_config, loss_fn
 from common.reference import TOLERANCE, make_optimizer
+from common.training import run
 from data_parallel import DistributedDataParallel, NaiveDataParallel, assign_buckets
 from data_parallel import train as dp_train
 from tests.equivalence import (
@@ -269,16 +270,14 @@ def test_ddp_rejects_nonpositive_bucket_cap(pools):
         pools.run(1, DistributedDataParallel, nn.Linear(2, 2), None, 0)
 
 
+def build_broken(args, ctx, layout) -> dp_train.DataParallelStrategy:
+    return dp_train.DataParallelStrategy(args, ctx, lambda model, a: SumNotAverageDDP(model, a.bucket_mb))
+
+
 def train_cli(argv: list[str], broken: bool = False) -> dict:
-    args = dp_train.parse_args(argv)
-    if broken:
-        dp_train.STRATEGIES["broken"] = lambda model, a: SumNotAverageDDP(model, a.bucket_mb)
-        args.strategy = "broken"
-    micro, accum = dp_train.validate(args, dist.get_world_size()) if not broken else (1, 2)
-    try:
-        return dp_train.train(args, init_distributed(), micro, accum)
-    finally:
-        dp_train.STRATEGIES.pop("broken", None)
+    args = dp_train.parse_args([*argv, "--log-every", "0"])
+    layout = dp_train.validate(args, dist.get_world_size())
+    return run(args, init_distributed(), layout, build_broken if broken else dp_train.build, 1)
 
 
 CLI_ARGV = ["--model", "tiny", "--dtype", "float64", "--steps", "2", "--global-batch", "8",
@@ -291,7 +290,8 @@ def test_train_check_passes_and_report_matches_formulas(pools, strategy, dtype):
                                        "--bucket-mb", "0.01", "--dtype", dtype])
     assert all(r["check_passed"] for r in reports)
     report = reports[0]
-    assert report["teacher_forced"] == (dtype != "float64")
+    assert report["teacher_forced"]
+    assert ("free_running" in report) == (dtype == "float64")
     assert max(report["max_param_diff"], report["max_grad_diff"]) <= report["tolerance"]
     assert report["comm_bytes_per_rank"] == pytest.approx(report["comm_bytes_formula"], rel=1e-12)
     for key in ("params", "grads", "optimizer"):

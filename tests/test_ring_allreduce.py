@@ -29,10 +29,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.comm import CommMeter, all_gather_single
+from common.dist import init_distributed
 from common.model import get_config
+from common.training import run
 from ring_allreduce import bench as ring_bench
 from ring_allreduce import ring as ring_module
 from ring_allreduce import train as ring_train
+from ring_allreduce.agreement import CHECK_BYTES
 from ring_allreduce.cost_model import AlphaBeta, fit, naive_terms, ring_terms
 from ring_allreduce.naive import naive_all_reduce, naive_bytes_sent
 from ring_allreduce.ring import (
@@ -287,19 +290,19 @@ def test_comm_meter_shows_the_ring_formula_bytes_and_messages(pools, world, leng
     """Rank r sends every chunk but its own (reduce-scatter) and but its right neighbour's
     (all-gather): (L - c_r) + (L - c_{r+1}) elements, 2(n-1)/n·S up to chunk rounding; over all
     ranks exactly 2(n-1)·S. One message per step when a chunk fits in a segment. The call check
-    adds n-1 messages of 16 bytes."""
+    adds n-1 messages of CHECK_BYTES = 32 bytes."""
     per_rank = pools.run(world, metered, "ring", length, dtype, segment_bytes, check, phase)
     n, size, steps = world, length * dtype.itemsize, {"all_reduce": 2}.get(phase, 1) * (world - 1)
     total = 0.0
     for rank, comm in enumerate(per_rank):
         sent, messages = ring_traffic(length, dtype.itemsize, rank, n, phase, segment_bytes)
         if check and n > 1:
-            sent, messages = sent + 16 * (n - 1), messages + n - 1
+            sent, messages = sent + CHECK_BYTES * (n - 1), messages + n - 1
         assert comm.get("isend", {"calls": 0, "bytes": 0}) == {"calls": messages, "bytes": sent}
         assert comm.get("irecv", {"calls": 0})["calls"] == messages  # what the left neighbour sends
         if segment_bytes >= size:
             assert messages == steps + (n - 1 if check and n > 1 else 0)
-        data = sent - (16 * (n - 1) if check and n > 1 else 0)
+        data = sent - (CHECK_BYTES * (n - 1) if check and n > 1 else 0)
         assert abs(data - steps / n * size) < 2 * dtype.itemsize
         total += data
     assert total == steps * size  # every chunk crosses n-1 links in each phase
@@ -309,7 +312,7 @@ def test_comm_meter_shows_the_ring_formula_bytes_and_messages(pools, world, leng
 @settings(max_examples=4)
 def test_naive_root_sends_and_receives_n_minus_1_times_the_data(pools, world, length, check):
     per_rank = pools.run(world, metered, "naive", length, torch.float32, 0, check)
-    size, extra = length * 4, 16 if check else 0
+    size, extra = length * 4, CHECK_BYTES if check else 0
     for rank, comm in enumerate(per_rank):
         assert comm["send"]["bytes"] == naive_bytes_sent(size + extra, rank, world)
         assert comm["recv"]["bytes"] == naive_bytes_sent(size + extra, rank, world)
@@ -514,8 +517,8 @@ def test_bad_input_is_a_clear_error_on_every_rank_and_leaves_none_hanging(pools,
 
 def train_cli(argv: list[str]) -> dict:
     args = ring_train.parse_args(argv)
-    micro, accum = ring_train.validate(args, dist.get_world_size())
-    return ring_train.train(args, ring_train.init_distributed(), micro, accum)
+    layout = ring_train.validate(args, dist.get_world_size())
+    return run(args, init_distributed(), layout, ring_train.build, 2, ring_train.verify_and_time)
 
 
 CLI_ARGV = ["--model", "tiny", "--dtype", "float64", "--steps", "2", "--global-batch", "12",

@@ -1,0 +1,242 @@
+"""One training loop for every chapter, and the small interface a chapter implements.
+
+The loop owns everything around a strategy: data and micro-batching, timing, the comm meter, the
+memory ledger, per-step progress, `--check` against the single-device reference, the verdict
+broadcast and the run report. A chapter owns how its ranks compute one step, in the spirit of
+torchtitan's split between the model and its `parallelize_*` function:
+
+    step s:  tokens = data.global_batch(s)                       [global_batch, seq_len + 1]
+             micro  = rows [r·B/dp, (r+1)·B/dp) of tokens, cut into grad_accum micro-batches
+             loss   = strategy.forward_backward(micro)           inside the comm meter
+             (check) strategy.full_gradients(), full_parameters() outside the meter, to rank 0
+             strategy.step(); strategy.zero_grad()               inside the meter
+
+TP and PP ranks of one data-parallel replica share `dp_rank`, so they take the same rows. The
+reported loss of a step is the mean over the ranks that have one (PP: the last stage; TP: every
+rank of the group, each with the same value), which is the global-batch mean loss because every
+data-parallel shard is represented by the same number of ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from common.cli import DTYPES, BatchLayout, ConfigError, exit_on_config_error, model_config
+from common.comm import CommMeter
+from common.data import ByteCorpus, SyntheticTokens, local_micro_batches
+from common.dist import DistContext, LaunchError, env_world_size, init_distributed, seed_everything, shutdown
+from common.memory import ActivationMeter, cuda_peak_bytes, model_state_bytes
+from common.reference import LockstepReference
+from common.report import emit_report
+
+
+class Strategy:
+    """What a chapter implements. Defaults fit a strategy that keeps `self.model` whole and an
+    ordinary `self.optimizer`; a sharded strategy overrides what it shards.
+
+    Attributes: `name` (report's "strategy"), `mesh` (e.g. {"dp": 2, "pp": 2, "tp": 2}),
+    `dp_rank` / `dp_size` (which data shard this rank takes), `model`, `optimizer`."""
+
+    name: str = "?"
+    mesh: dict[str, int]
+    dp_rank: int = 0
+    dp_size: int = 1
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None = None
+
+    def forward_backward(self, micro_batches: list[torch.Tensor]) -> float | None:
+        """Forward and backward over this rank's micro-batches (token rows [mb, seq_len + 1], on
+        the device), leaving the gradient of the mean loss over the *global* batch. Returns the
+        mean loss over these micro-batches, or None on a rank that computes no loss (PP)."""
+        raise NotImplementedError
+
+    def step(self) -> None:
+        """Clip (if asked) and apply the optimizer."""
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def full_gradients(self) -> dict[str, torch.Tensor] | None:
+        """For `--check`: the gradients this step will apply (before clipping), gathered to full
+        shape under the reference model's names. A collective: every rank calls it; rank 0 gets
+        the dict, the others may get None."""
+        return {n: p.grad.detach() for n, p in self.model.named_parameters()}
+
+    def full_parameters(self) -> dict[str, torch.Tensor] | None:
+        """Like `full_gradients`, for the parameters (the fp32 master copy in mixed precision)."""
+        return {n: p.detach() for n, p in self.model.named_parameters()}
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of params, grads and optimizer state this rank holds now (measured after the
+        last optimizer step, before zero_grad)."""
+        return model_state_bytes(self.model.parameters(), self.optimizer)
+
+    def activation_meter(self) -> ActivationMeter:
+        return ActivationMeter(self.model.parameters())
+
+    def formulas(self, steps: int) -> tuple[float, dict[str, float]]:
+        """Closed forms per rank: (comm bytes over `steps` steps, {params, grads, optimizer})."""
+        raise NotImplementedError
+
+    def report_extras(self) -> dict:
+        """Chapter-specific keys for the report (e.g. bubble_fraction)."""
+        return {}
+
+
+def rank_micro_batches(strategy: Strategy, tokens: torch.Tensor, micro_batch: int,
+                       device: torch.device) -> list[torch.Tensor]:
+    """This rank's micro-batches of a global batch: its data-parallel shard, cut, on `device`."""
+    return [m.to(device) for m in
+            local_micro_batches(tokens, strategy.dp_rank, strategy.dp_size, micro_batch)]
+
+
+def make_data(args: argparse.Namespace):
+    vocab = model_config(args).vocab_size
+    return (SyntheticTokens(vocab, args.seq_len, args.seed) if args.data == "synthetic"
+            else ByteCorpus(args.seq_len, args.seed, args.data))
+
+
+def global_loss(local_losses: list[float | None], device: torch.device) -> list[float]:
+    """Mean of the per-step losses over the ranks that have one (one all-reduce)."""
+    values = torch.tensor([[x or 0.0, float(x is not None)] for x in local_losses],
+                          dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    if (values[:, 1] == 0).any():
+        raise RuntimeError("no rank reported a loss for some step: forward_backward must return "
+                           "the loss on at least one rank (the last pipeline stage)")
+    return (values[:, 0] / values[:, 1]).tolist()
+
+
+class ProgressLog:
+    """One line per `every` steps on rank 0: step k/N, global-batch loss, tokens/s, elapsed, ETA.
+    Every rank calls it (the loss of a logged step takes one small all-reduce, outside the meter
+    and the timing)."""
+
+    def __init__(self, steps: int, tokens_per_step: int, every: int, device: torch.device):
+        self.steps, self.tokens_per_step, self.every, self.device = steps, tokens_per_step, every, device
+        self.start = time.perf_counter()
+
+    def __call__(self, step: int, loss: float | None) -> None:
+        done = step + 1
+        if self.every <= 0 or (done % self.every and done != self.steps):
+            return
+        loss = global_loss([loss], self.device)[0]
+        if dist.get_rank() != 0:
+            return
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / done * (self.steps - done)
+        print(f"step {done:>{len(str(self.steps))}}/{self.steps}  loss {loss:.4f}  "
+              f"{done * self.tokens_per_step / elapsed:,.0f} tokens/s  "
+              f"elapsed {elapsed:.1f}s  eta {eta:.1f}s", flush=True)
+
+
+def train(args: argparse.Namespace, ctx: DistContext, strategy: Strategy, layout: BatchLayout,
+          chapter: int) -> dict:
+    """Train `strategy` for args.steps steps; return the run report (with --check, the verdict
+    too, the same on every rank)."""
+    seed_everything(args.seed)
+    data, cfg = make_data(args), model_config(args)
+    mixed = getattr(args, "mixed_precision", "none")
+    reference = (LockstepReference(cfg, args.seed, DTYPES[args.dtype], args.optimizer, args.lr,
+                                   ctx.device, clip_grad=getattr(args, "clip_grad", None),
+                                   mixed_precision=mixed)
+                 if args.check and ctx.is_main else None)
+    tokens_per_step = args.global_batch * args.seq_len
+    log = ProgressLog(args.steps, tokens_per_step, getattr(args, "log_every", 0), ctx.device)
+    meter, activations = CommMeter(), strategy.activation_meter()
+    local_losses: list[float | None] = []
+    train_time, memory = 0.0, {}
+    for step in range(args.steps):
+        tokens = data.global_batch(step, args.global_batch)
+        micro = rank_micro_batches(strategy, tokens, layout.micro_batch, ctx.device)
+        start = time.perf_counter()
+        with meter, activations:
+            loss = strategy.forward_backward(micro)
+        train_time += time.perf_counter() - start
+        local_losses.append(loss)
+        if args.check:
+            grads, params = strategy.full_gradients(), strategy.full_parameters()
+            if reference is not None:
+                reference.step(tokens, grads, params)
+        start = time.perf_counter()
+        with meter:
+            strategy.step()
+            if step == args.steps - 1:
+                memory = strategy.memory()
+            strategy.zero_grad()
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+        train_time += time.perf_counter() - start
+        log(step, loss)
+
+    losses = global_loss(local_losses, ctx.device)  # outside the meter
+    comm_formula, memory_formula = strategy.formulas(args.steps)
+    memory["activations_peak"] = activations.peak_bytes
+    if (cuda_peak := cuda_peak_bytes(ctx.device)) is not None:
+        memory["cuda_max_allocated"] = cuda_peak
+    report = {
+        "chapter": chapter, "strategy": strategy.name, "world_size": ctx.world_size,
+        "mesh": strategy.mesh, "backend": ctx.backend, "device": str(ctx.device),
+        "dtype": args.dtype, "mixed_precision": mixed, "steps": args.steps, "losses": losses,
+        "micro_batch": layout.micro_batch, "grad_accum": layout.grad_accum,
+        "tokens_per_s": args.steps * tokens_per_step / train_time,
+        "comm": meter.as_dict(), "comm_bytes_per_rank": meter.bytes_sent,
+        "comm_bytes_formula": comm_formula, "comm_convention": "accounted (nccl-tests)",
+        "memory": memory, "memory_formula": memory_formula, **strategy.report_extras(),
+    }
+    if args.check:
+        params = strategy.full_parameters()
+        passed = torch.tensor([1], device=ctx.device)
+        if reference is not None:
+            report.update(reference.finish(losses, params))
+            passed.fill_(int(report["check_passed"]))
+        dist.broadcast(passed, src=0)  # every rank exits with rank 0's verdict
+        report["check_passed"] = bool(passed.item())
+    return report
+
+
+def run(args: argparse.Namespace, ctx: DistContext, layout: BatchLayout,
+        build: Callable[[argparse.Namespace, DistContext, BatchLayout], Strategy], chapter: int,
+        before_training: Callable[[argparse.Namespace, DistContext], dict] | None = None) -> dict:
+    """Run `before_training` (its dict joins the report), build the strategy, train; the report.
+    The tests call this inside the rank pool; `launch` is the same with parsing and exit."""
+    extras = before_training(args, ctx) if before_training else {}
+    report = train(args, ctx, build(args, ctx, layout), layout, chapter)
+    report.update(extras)
+    return report
+
+
+def launch(parse_args: Callable[[list[str] | None], argparse.Namespace],
+           validate: Callable[[argparse.Namespace, int], BatchLayout],
+           build: Callable[[argparse.Namespace, DistContext, BatchLayout], Strategy],
+           chapter: int, argv: list[str] | None = None,
+           before_training: Callable[[argparse.Namespace, DistContext], dict] | None = None) -> int:
+    """A chapter's `main`: parse and validate on every rank before any collective (a bad flag
+    exits 2 with one line), join the job, `run`, print the report on rank 0. Exit status 1 when
+    `--check` failed or an entry of `before_training`'s dict says {"passed": False}."""
+    args = parse_args(argv)
+    try:
+        layout = validate(args, env_world_size())
+    except (ConfigError, LaunchError) as error:
+        exit_on_config_error(os.environ.get("RANK", "?"), error)
+    ctx = init_distributed()
+    report = run(args, ctx, layout, build, chapter, before_training)
+    if ctx.is_main:
+        emit_report(report, args.report)
+    extra_ok = all(v.get("passed", True) for v in report.values() if isinstance(v, dict))
+    status = 0 if report.get("check_passed", True) and extra_ok else 1
+    shutdown()
+    return status
+
+
+def run_main(*launch_args, **launch_kwargs) -> None:
+    sys.exit(launch(*launch_args, **launch_kwargs))
