@@ -1,1 +1,48 @@
-"""Chapter 06: not written yet (see the course map in README.md)."""
+"""Chapter 06: pipeline parallelism. GPipe, 1F1B, interleaved 1F1B and ZB-H1 as data, one executor.
+
+The core files import only torch (copy them out):
+
+    schedules.py   make_schedule(name, p, m, v=1) -> Schedule; name in SCHEDULES =
+                   ("gpipe", "1f1b", "interleaved", "zb"). Schedule.actions[rank] is the ordered
+                   tuple of Action(kind "F"|"B"|"W", microbatch, chunk); rank r's chunk c is
+                   virtual stage c·p + r. Schedule.recv/send(rank, action) -> Message | None say
+                   what an action receives/sends; schedule_error(name, p, m, v) -> str | None is
+                   the validation message (call it before any collective); messages(),
+                   peak_in_flight() for the properties.
+    stage.py       split_model(model, p, v, rank, rope, partition=None) -> [PipelineStage per
+                   chunk]: tok_embeddings on stage 0, norm + output on stage p·v-1, layers in a
+                   ModuleDict keyed by global index, so chunk.named_parameters() are the
+                   reference model's names. partition_error(n_layers, p, v, partition) and
+                   layer_partition(n_layers, n_stages, partition) for validation and accounting.
+    executor.py    PipelineExecutor(schedule, rank, chunks, loss_fn, activation_shape, dtype,
+                   device, pp_group=None, after_backward=None).run(inputs, targets) -> the
+                   batch-mean loss on the last stage's rank, None elsewhere. `rank` is the rank
+                   in pp_group (peers are mapped to global ranks with dist.get_global_rank);
+                   loss_fn(output, targets) is any callable (e.g. a vocab-parallel loss); the
+                   executor divides by m exactly once (scale_loss). Gradients accumulate through
+                   plain autograd (hooks of wrappers like FSDP fire); after_backward(chunk, mb,
+                   last) runs after each chunk backward (W for zb). .timeline holds the last
+                   step's Intervals (time.perf_counter seconds).
+    backward_split.py  backward_input(y, x, grad_y, params) -> (x_grad, state) and
+                   backward_weight(state): zero-bubble's B and W without recomputation.
+    simulator.py   simulate(schedule, costs=None) -> [Interval] with unit costs (F=1, B=2; ZB:
+                   F=B=W=1; per chunk /v); bubble_fraction(intervals), closed_form_bubble(name,
+                   p, m, v), bubble_formula(name, v).
+    timeline.py    Interval, measured_bubble(intervals), render_text(intervals, width), plot(),
+                   save_png({name: intervals}, path) (imports matplotlib lazily).
+
+`train.py` (uses common/): PipelineStrategy for the shared loop, `build_stages(model, cfg, p, v,
+rank, partition)`, the comm formula; `bench.py`: against torch.distributed.pipelining.
+"""
+
+from .executor import PipelineExecutor
+from .schedules import SCHEDULES, Action, Message, Schedule, make_schedule, schedule_error
+from .simulator import bubble_formula, closed_form_bubble, simulate
+from .stage import PipelineStage, layer_partition, partition_error, split_model
+from .timeline import Interval, measured_bubble, render_text, save_png
+
+__all__ = [
+    "SCHEDULES", "Action", "Interval", "Message", "PipelineExecutor", "PipelineStage", "Schedule",
+    "bubble_formula", "closed_form_bubble", "layer_partition", "make_schedule", "measured_bubble",
+    "partition_error", "render_text", "save_png", "schedule_error", "simulate", "split_model",
+]

@@ -1,0 +1,87 @@
+"""Zero-bubble's split backward: B (the stage input's gradient) now, W (the weights') later,
+without computing anything twice.
+
+For a linear layer Y = X Wᵀ the backward is two GEMMs: dX = dY W (the previous stage waits for
+it) and dW = dYᵀ X (nobody waits for it until the optimizer step). Generically, on the autograd
+graph of one chunk's forward:
+
+    B:  walk the graph from the output y; mark the nodes that lead to the input x and those that
+        lead to a parameter. A node on x's path with a child that leads only to parameters is where
+        the two paths part (the mm of a linear, the mul of a norm's weight). Hook those nodes,
+        run autograd.grad(y → x, retain_graph=True): autograd computes only what dX needs, and the
+        hooks catch dY at each parting node.
+    W:  run backward from those nodes with the caught dY's, into the parameters only: the dW
+        GEMMs and nothing else; gradients accumulate through AccumulateGrad as usual (so hooks of
+        wrappers like FSDP fire).
+
+This is what torch.distributed.pipelining's stage_backward_input/stage_backward_weight do; on the
+first stage there is no x, so B is empty and W is the whole backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+
+class WeightGradState:
+    """What B leaves for W: per parting node, its edges, the gradients caught there, and the
+    parameters reachable from it through weight-only nodes."""
+
+    def __init__(self) -> None:
+        self.groups: list[tuple[list[GradientEdge], list[torch.Tensor], list[torch.Tensor]]] = []
+
+
+def _graph(root) -> list:
+    """The nodes reachable from `root`, each once, children before parents (post-order)."""
+    order, seen, stack = [], set(), [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.append((node, True))
+        stack.extend((child, False) for child, _ in node.next_functions if child is not None)
+    return order
+
+
+def backward_input(y: torch.Tensor, x: torch.Tensor, grad_y: torch.Tensor | None,
+                   params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, WeightGradState]:
+    """B: ∂L/∂x only; returns it with the state that `backward_weight` needs. (A parameter used
+    on both sides of a parting node, e.g. tied weights inside one chunk, is not supported.)"""
+    x_node = get_gradient_edge(x).node
+    param_of = {get_gradient_edge(p).node: p for p in params}
+    to_x, weights = {}, {}  # node → leads to x; node → parameters it leads to without passing x
+    for node in _graph(y.grad_fn):
+        children = [c for c, _ in node.next_functions if c is not None]
+        to_x[node] = node is x_node or any(to_x[c] for c in children)
+        weights[node] = ({param_of[node]} if node in param_of else set()).union(
+            *(weights[c] for c in children if not to_x[c]))
+    parting = {n: [p for c, _ in n.next_functions if c is not None and not to_x[c] for p in weights[c]]
+               for n in to_x if to_x[n]}
+    parting = {n: ps for n, ps in parting.items() if ps}
+    caught: dict = {}
+    handles = [n.register_prehook(lambda grads, n=n: caught.setdefault(n, grads) and None) for n in parting]
+    try:
+        (x_grad,) = torch.autograd.grad(y, x, grad_y, retain_graph=True)
+    finally:
+        for h in handles:
+            h.remove()
+    state = WeightGradState()
+    for node, node_grads in caught.items():
+        edges = [GradientEdge(node, k) for k, g in enumerate(node_grads) if g is not None]
+        grads = [g for g in node_grads if g is not None]
+        state.groups.append((edges, grads, list({id(p): p for p in parting[node]}.values())))
+    return x_grad, state
+
+
+def backward_weight(state: WeightGradState) -> None:
+    """W: the parameter gradients from the dY's caught in B, one parting node at a time (so the
+    engine never walks back into the input's side)."""
+    for edges, grads, params in state.groups:
+        torch.autograd.backward(edges, grads, inputs=params, retain_graph=True)

@@ -1,0 +1,106 @@
+"""The stage split: a LLaMA cut by layers into p·v chunks, each a module that one rank runs.
+
+    virtual stage s = c·p + r  (rank r's chunk c)        S = p·v stages in all
+    stage 0      tok_embeddings + its layers
+    stage S-1    its layers + norm + output (the head; the loss is the executor's callable)
+    layers       an even split by default (the first n_layers mod S stages take one more);
+                 an explicit `partition` (layers per stage, summing to n_layers) for uneven ones
+
+A chunk keeps the model's own submodules under the model's own names (`layers` is a ModuleDict
+keyed by the global layer index), so `chunk.named_parameters()` yields exactly the reference's
+names ("layers.5.attention.wq.weight", "output.weight", …) and whatever replaced a block (tensor-
+parallel linears, an FSDP unit) comes along unchanged. Per message between stages: an activation
+[micro_batch, seq_len, dim] forward and its gradient of the same shape backward.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+Rope = Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
+
+
+def partition_error(n_layers: int, p: int, v: int = 1, partition: Sequence[int] | None = None) -> str | None:
+    """Why the layers cannot be split into p·v stages as asked (a message naming the flag and
+    the fix), or None."""
+    S = p * v
+    if partition is not None:
+        if len(partition) != S:
+            return (f"--partition {','.join(map(str, partition))} has {len(partition)} entries for "
+                    f"{p} stages × {v} virtual stages: give {S} layer counts")
+        if sum(partition) != n_layers or min(partition) < 1:
+            return (f"--partition {','.join(map(str, partition))}: each stage needs >= 1 layer and "
+                    f"the counts must sum to the model's {n_layers} layers")
+        return None
+    if n_layers < S:
+        return (f"{p} stages × {v} virtual stages = {S} > the model's {n_layers} layers: every stage "
+                f"needs a layer; use at most {n_layers} stages (NPROC) or a model with more layers")
+    if v > 1 and n_layers % S:
+        return (f"--virtual-stages {v} on {p} stages: the model's {n_layers} layers are not divisible "
+                f"by p·v = {S} (interleaving needs equal chunks); pick v so that p·v divides {n_layers}")
+    return None
+
+
+def layer_partition(n_layers: int, n_stages: int, partition: Sequence[int] | None = None) -> list[range]:
+    """The global layer indices of each virtual stage."""
+    counts = list(partition) if partition is not None else [
+        n_layers // n_stages + (s < n_layers % n_stages) for s in range(n_stages)]
+    bounds = [0]
+    for c in counts:
+        bounds.append(bounds[-1] + c)
+    return [range(a, b) for a, b in itertools.pairwise(bounds)]
+
+
+class PipelineStage(nn.Module):
+    """One virtual stage: [tok_embeddings] → layers → [norm → output]. forward(x) takes tokens on
+    the first stage, the previous stage's activation otherwise; returns the activation, or the
+    logits on the last stage."""
+
+    def __init__(self, stage: int, n_stages: int, layers: dict[str, nn.Module], rope: Rope,
+                 tok_embeddings: nn.Module | None = None, norm: nn.Module | None = None,
+                 output: nn.Module | None = None):
+        super().__init__()
+        self.stage, self.n_stages, self.rope = stage, n_stages, rope
+        self.tok_embeddings = tok_embeddings
+        self.layers = nn.ModuleDict(layers)
+        self.norm, self.output = norm, output
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.n_stages - 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        cos, sin = self.rope(torch.arange(h.shape[1], device=h.device), h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h)) if self.output is not None else h
+
+
+def split_model(model: nn.Module, p: int, v: int, rank: int, rope: Rope,
+                partition: Sequence[int] | None = None) -> list[PipelineStage]:
+    """Rank `rank`'s chunks [stage rank, stage p + rank, …, stage (v-1)·p + rank] of a model with
+    LLaMA's attributes (tok_embeddings, layers, norm, output). `rope(positions, dtype)` gives the
+    rotary cos/sin (e.g. functools.partial(common.model.rope_cos_sin, cfg)). The chunks share the
+    model's modules; drop the model afterwards to free the other stages' layers."""
+    n_layers = len(model.layers)
+    if (error := partition_error(n_layers, p, v, partition)) is not None:
+        raise ValueError(error)
+    S = p * v
+    ranges = layer_partition(n_layers, S, partition)
+    chunks = []
+    for c in range(v):
+        s = c * p + rank
+        chunks.append(PipelineStage(
+            s, S, {str(i): model.layers[i] for i in ranges[s]}, rope,
+            tok_embeddings=model.tok_embeddings if s == 0 else None,
+            norm=model.norm if s == S - 1 else None, output=model.output if s == S - 1 else None))
+    return chunks

@@ -1,0 +1,233 @@
+"""Chapter 06 demo: train LLaMA cut into pipeline stages, one stage per rank torchrun started.
+
+    torchrun --standalone --nproc-per-node 4 06_pipeline/train.py --schedule 1f1b --microbatches 8
+
+Every rank holds p·v chunks' worth of layers (1/p of the model), takes the same global batch
+(dp = 1), cuts it into m micro-batches and runs the chosen schedule; only activations and their
+gradients cross between neighbouring ranks. The last stage reports the loss. Rank 0 prints the
+measured timeline of the last step beside the simulated bubble and the closed form. `--check`
+trains the single-device reference alongside and exits 1 when the two differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from common.cli import DTYPES, BatchLayout, base_parser, model_config, require, validate_common
+from common.data import split_inputs_targets
+from common.dist import DistContext
+from common.memory import optimizer_state_tensors, storage_bytes
+from common.model import LlamaConfig, build_model, loss_fn, rope_cos_sin
+from common.reference import make_optimizer
+from common.training import Strategy, run_main
+from pipeline.executor import LossFn, PipelineExecutor
+from pipeline.schedules import SCHEDULES, Schedule, make_schedule, peak_in_flight, schedule_error
+from pipeline.simulator import bubble_formula, closed_form_bubble, simulate
+from pipeline.simulator import bubble_fraction as simulated_bubble
+from pipeline.stage import PipelineStage, partition_error, split_model
+from pipeline.timeline import measured_bubble, render_text, save_png, shift
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = base_parser(__doc__.splitlines()[0])
+    p.add_argument("--schedule", default="1f1b", help=" | ".join(SCHEDULES))
+    p.add_argument("--microbatches", type=int, default=8, metavar="M",
+                   help="micro-batches per step (global batch / M sequences each)")
+    p.add_argument("--virtual-stages", type=int, default=None, metavar="V",
+                   help="model chunks per rank (interleaved only; default 2 there, else 1)")
+    p.add_argument("--partition", default=None, metavar="N,N,…",
+                   help="layers per (virtual) stage, e.g. 3,2,2,1 (default: an even split)")
+    p.add_argument("--timeline-png", default=None, metavar="PATH",
+                   help="save the last step's measured timeline (rank 0)")
+    return p.parse_args(argv)
+
+
+def virtual_stages(args: argparse.Namespace) -> int:
+    v = getattr(args, "virtual_stages", None)
+    return v if v is not None else (2 if args.schedule == "interleaved" else 1)
+
+
+def parse_partition(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--partition {text!r}: give comma-separated layer counts, e.g. 3,2,2,1") from None
+
+
+def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
+    """Everything that can be wrong with the input, checked on every rank before any send."""
+    validate_common(args)
+    p, m, v = world_size, args.microbatches, virtual_stages(args)
+    require(m >= 1, f"--microbatches {m}: must be >= 1")
+    require((error := schedule_error(args.schedule, p, m, v)) is None, str(error))
+    require(args.global_batch % m == 0,
+            f"--global-batch {args.global_batch} is not divisible by --microbatches {m}: use a "
+            f"multiple of {m}, e.g. --global-batch {m * max(1, round(args.global_batch / m))}")
+    micro = args.global_batch // m
+    require(args.micro_batch in (None, micro),
+            f"--micro-batch {args.micro_batch} != --global-batch {args.global_batch} / --microbatches "
+            f"{m} = {micro}: pipeline ranks share the batch (dp = 1); drop --micro-batch")
+    require(args.grad_accum in (None, m),
+            f"--grad-accum {args.grad_accum} != --microbatches {m}: a pipeline accumulates over its "
+            "micro-batches; drop --grad-accum")
+    try:
+        partition = parse_partition(args.partition)
+    except ValueError as error:
+        require(False, str(error))
+    n_layers = model_config(args).n_layers
+    require((error := partition_error(n_layers, p, v, partition)) is None, str(error))
+    return BatchLayout(micro, m)
+
+
+def build_stages(model: nn.Module, cfg: LlamaConfig, p: int, v: int, rank: int,
+                 partition: list[int] | None = None) -> list[PipelineStage]:
+    """Rank `rank`'s chunks of common's LLaMA (reference parameter names kept)."""
+    return split_model(model, p, v, rank, rope=partial(rope_cos_sin, cfg), partition=partition)
+
+
+class PipelineStrategy(Strategy):
+    """This rank's chunks, their optimizer, and the executor of the chosen schedule. In mixed
+    precision the chunks compute in bf16 and AdamW updates fp32 master copies."""
+
+    executor_class = PipelineExecutor
+
+    def __init__(self, args: argparse.Namespace, ctx: DistContext, pp_group: dist.ProcessGroup | None = None,
+                 loss: LossFn = loss_fn):
+        cfg, self.mixed = model_config(args), args.mixed_precision == "bf16"
+        self.group = pp_group
+        p, self.rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
+        m, v = args.microbatches, virtual_stages(args)
+        self.schedule: Schedule = make_schedule(args.schedule, p, m, v)
+        full = build_model(cfg, args.seed, torch.float32 if self.mixed else DTYPES[args.dtype], ctx.device)
+        self.chunks = build_stages(full, cfg, p, v, self.rank, parse_partition(args.partition))
+        del full
+        self.model = nn.ModuleList(self.chunks)
+        self.names = [n for chunk in self.chunks for n, _ in chunk.named_parameters()]
+        params = list(self.model.parameters())
+        self.master = [q.detach().clone().requires_grad_() for q in params] if self.mixed else params
+        if self.mixed:
+            self.model.to(torch.bfloat16)
+        self.optimizer = make_optimizer(self.master, args.optimizer, args.lr)
+        self.dtype = torch.bfloat16 if self.mixed else DTYPES[args.dtype]
+        micro = args.global_batch // m
+        self.activation_shape = (micro, args.seq_len, cfg.dim)
+        self.executor = self.executor_class(self.schedule, self.rank, self.chunks, loss,
+                                            self.activation_shape, self.dtype, ctx.device, pp_group)
+        self.name, self.clip_grad, self.optimizer_name = f"pp-{args.schedule}", args.clip_grad, args.optimizer
+        self.mesh, self.dp_rank, self.dp_size = {"pp": p}, 0, 1
+        self.timeline_png = getattr(args, "timeline_png", None)
+        self.timelines: list = []
+
+    def forward_backward(self, micro_batches: list[torch.Tensor]) -> float | None:
+        inputs, targets = zip(*(split_inputs_targets(t) for t in micro_batches), strict=True)
+        dist.barrier(group=self.group)  # a common time origin for the timeline (0 bytes)
+        loss = self.executor.run(inputs, targets)
+        self.timelines.append(self.executor.timeline)
+        if self.mixed:
+            for master, q in zip(self.master, self.model.parameters(), strict=True):
+                master.grad, q.grad = (q.grad.float() if q.grad is not None else None), None
+        return loss
+
+    def step(self) -> None:
+        """Clip by the norm over all stages (each parameter lives on one rank: sum the squares
+        once), then the optimizer; in mixed precision copy the masters back to the bf16 chunks."""
+        if self.clip_grad is not None:
+            grads = [q.grad for q in self.master if q.grad is not None]
+            sq = torch.stack([g.detach().double().norm() ** 2 for g in grads]).sum() if grads else (
+                torch.zeros((), dtype=torch.float64, device=self.master[0].device))
+            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.group)
+            coef = (self.clip_grad / (sq.sqrt() + 1e-6)).clamp(max=1.0)
+            for g in grads:
+                g.mul_(coef.to(g.dtype))
+        self.optimizer.step()
+        if self.mixed:
+            with torch.no_grad():
+                for master, q in zip(self.master, self.model.parameters(), strict=True):
+                    q.copy_(master)
+
+    def zero_grad(self) -> None:
+        for q in [*self.master, *self.model.parameters()]:
+            q.grad = None
+
+    def _gather(self, tensors: list[torch.Tensor | None]) -> dict[str, torch.Tensor] | None:
+        local = {n: t.detach().cpu() for n, t in zip(self.names, tensors, strict=True) if t is not None}
+        gathered = [None] * dist.get_world_size(self.group) if self.rank == 0 else None
+        dst = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        dist.gather_object(local, gathered, dst=dst, group=self.group)
+        return {k: t for part in gathered for k, t in part.items()} if self.rank == 0 else None
+
+    def full_gradients(self) -> dict[str, torch.Tensor] | None:
+        return self._gather([q.grad for q in self.master])
+
+    def full_parameters(self) -> dict[str, torch.Tensor] | None:
+        return self._gather(list(self.master))
+
+    def memory(self) -> dict[str, int]:
+        extra = self.master if self.mixed else []
+        return {"params": storage_bytes(self.model.parameters()),
+                "grads": storage_bytes(q.grad for q in self.master if q.grad is not None),
+                "optimizer": storage_bytes([*optimizer_state_tensors(self.optimizer), *extra])}
+
+    def message_bytes(self) -> int:
+        return math.prod(self.activation_shape) * self.dtype.itemsize
+
+    def formulas(self, steps: int) -> tuple[float, dict[str, float]]:
+        """Per rank per step: one activation [b, T, dim] per forward of a stage < S-1 and one
+        gradient of that shape per backward of a stage > 0 (the schedule counts them), plus the
+        clipping norm's all-reduce (2(p-1)/p · 8 bytes). Memory: this rank's P_r parameters ·
+        b, grads P_r · b_grad, AdamW m and v (2 · P_r · b_master) and a step counter per tensor,
+        plus the fp32 masters (4 P_r) in mixed precision."""
+        p = self.schedule.p
+        sends = sum(self.schedule.send(self.rank, a) is not None for a in self.schedule.actions[self.rank])
+        clip = 2 * (p - 1) / p * 8 if self.clip_grad is not None and p > 1 else 0.0
+        comm = steps * (sends * self.message_bytes() + clip)
+        P = sum(q.numel() for q in self.model.parameters())
+        b, b_master = self.dtype.itemsize, self.master[0].itemsize
+        opt = 2 * P * b_master + 4 * len(self.master) if self.optimizer_name == "adamw" else 0
+        opt += P * b_master if self.mixed else 0
+        return comm, {"params": P * b, "grads": P * b_master, "optimizer": opt}
+
+    def report_extras(self) -> dict:
+        """Collective over the pipeline group: every rank's timelines → the measured bubble of each
+        step (mean over steps after the first), beside the simulated one and the closed form;
+        rank 0 prints the last step's timeline."""
+        gathered = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, self.timelines, group=self.group)
+        s = self.schedule
+        steps = [[i for g in gathered for i in g[k]] for k in range(len(self.timelines))]
+        bubbles = [measured_bubble(iv, s.p) for iv in steps]
+        measured = sum(bubbles[1:]) / len(bubbles[1:]) if len(bubbles) > 1 else bubbles[0]
+        simulated = float(simulated_bubble(simulate(s), s.p))
+        formula = float(closed_form_bubble(s.name, s.p, s.m, s.v))
+        if self.rank == 0:
+            last = steps[-1]
+            origin = min(i.start for i in last)
+            print(render_text(shift(last, origin), width=100, p=s.p,
+                              title=f"{s.name} p={s.p} m={s.m} v={s.v}: measured timeline, last step "
+                                    f"({(max(i.end for i in last) - origin) * 1e3:.1f} ms)"))
+            print(render_text(simulate(s), width=100, p=s.p, title="ideal (unit costs)"))
+            print(f"bubble: measured {measured:.3f} · simulated {simulated:.3f} · formula "
+                  f"{bubble_formula(s.name, s.v)} = {formula:.3f}", flush=True)
+            if self.timeline_png:
+                save_png({f"{s.name} measured": shift(last, origin), f"{s.name} ideal": simulate(s)},
+                         self.timeline_png)
+        return {"bubble_fraction": measured, "bubble_simulated": simulated, "bubble_formula": formula,
+                "bubble_formula_expr": bubble_formula(s.name, s.v), "schedule": s.name,
+                "microbatches": s.m, "virtual_stages": s.v,
+                "activations_in_flight_peak": peak_in_flight(s, self.rank)}
+
+
+def build(args: argparse.Namespace, ctx: DistContext, layout: BatchLayout) -> Strategy:
+    return PipelineStrategy(args, ctx)
+
+
+if __name__ == "__main__":
+    run_main(parse_args, validate, build, chapter=6)

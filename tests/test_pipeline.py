@@ -1,0 +1,429 @@
+"""Chapter 06: pipeline schedules as data, the executor that runs them, and the bubble.
+
+Schedule properties are pure Python over p 1-8, m 1-32, v 1-4; training properties run the
+shared loop's steps on gloo rank pools against the single-device reference (float64, 1e-10)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+from dataclasses import replace
+from fractions import Fraction
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.data import SyntheticTokens, split_inputs_targets
+from common.dist import init_distributed
+from common.memory import ActivationMeter
+from common.model import build_model, get_config, loss_fn
+from common.reference import relative_diff
+from common.training import train
+from pipeline import train as pp_train
+from pipeline.executor import PipelineExecutor
+from pipeline.schedules import Action, Schedule, make_schedule, messages, peak_in_flight, schedule_error
+from pipeline.simulator import DeadlockError, bubble_fraction, closed_form_bubble, simulate
+from pipeline.timeline import measured_bubble
+from pipeline.train import PipelineStrategy, build_stages
+from tests.equivalence import (
+    TrainSpec,
+    check_strategy,
+    check_strategy_rejected,
+    reference_record,
+    spec_args,
+    tiny_configs,
+)
+from tests.harness import RankError
+
+# --- schedules as data (pure Python) ----------------------------------------------------------
+
+
+@st.composite
+def schedule_params(draw, names=("gpipe", "1f1b", "interleaved", "zb")):
+    name = draw(st.sampled_from(names))
+    p = draw(st.integers(1, 8))
+    v = draw(st.integers(1, 4)) if name == "interleaved" else 1
+    if name == "interleaved":
+        m = p * draw(st.integers(1, max(1, 32 // p)))
+    elif name == "zb":
+        m = draw(st.integers(p, 32))
+    else:
+        m = draw(st.integers(1, 32))
+    assert schedule_error(name, p, m, v) is None
+    return make_schedule(name, p, m, v)
+
+
+def test_schedule_examples_read_like_the_papers():
+    assert make_schedule("gpipe", 2, 3).render() == ("rank 0: F0 F1 F2 B0 B1 B2\n"
+                                                     "rank 1: F0 F1 F2 B0 B1 B2")
+    assert make_schedule("1f1b", 3, 4).render() == ("rank 0: F0 F1 F2 B0 F3 B1 B2 B3\n"
+                                                    "rank 1: F0 F1 B0 F2 B1 F3 B2 B3\n"
+                                                    "rank 2: F0 B0 F1 B1 F2 B2 F3 B3")
+    zb = make_schedule("zb", 2, 3)
+    assert zb.render() == ("rank 0: F0 F1 B0 W0 F2 B1 W1 B2 W2\n"
+                           "rank 1: F0 B0 F1 B1 W0 F2 B2 W1 W2")
+
+
+@given(schedule=schedule_params())
+def test_every_microbatch_runs_each_action_once_forward_before_backward(schedule: Schedule):
+    kinds = ("F", "B", "W") if schedule.split_backward else ("F", "B")
+    for rank, actions in enumerate(schedule.actions):
+        assert Counter(actions) == Counter(Action(k, mb, c) for k in kinds
+                                           for mb in range(schedule.m) for c in range(schedule.v))
+        position = {a: i for i, a in enumerate(actions)}
+        for mb in range(schedule.m):
+            for c in range(schedule.v):
+                order = [position[Action(k, mb, c)] for k in kinds]
+                assert order == sorted(order), f"rank {rank}: {kinds} of mb {mb} chunk {c} out of order"
+
+
+@given(schedule=schedule_params())
+def test_forward_runs_in_stage_order_and_backward_in_reverse_without_deadlock(schedule: Schedule):
+    """The simulator runs every rank's list against the data dependencies; it finishes (no
+    deadlock) and each micro-batch visits the stages 0 → S-1 forward and S-1 → 0 backward."""
+    end, start = {}, {}
+    for i in simulate(schedule):
+        key = (i.action.kind, i.action.microbatch, schedule.stage(i.rank, i.action.chunk))
+        start[key], end[key] = i.start, i.end
+    for mb in range(schedule.m):
+        for s in range(schedule.n_stages - 1):
+            assert end[("F", mb, s)] <= start[("F", mb, s + 1)]
+            assert end[("B", mb, s + 1)] <= start[("B", mb, s)]
+        assert end[("F", mb, schedule.n_stages - 1)] <= start[("B", mb, schedule.n_stages - 1)]
+
+
+@given(schedule=schedule_params())
+def test_every_send_has_the_matching_receive_in_the_same_order(schedule: Schedule):
+    """On every directed pair of ranks, the sender's messages (in its action order) are exactly
+    the receiver's (in its action order): p2p matching by order can never pair the wrong
+    activation with a micro-batch, nor wait for a message that comes later."""
+    sends = {r: messages(schedule, r)[0] for r in range(schedule.p)}
+    recvs = {r: messages(schedule, r)[1] for r in range(schedule.p)}
+    for a in range(schedule.p):
+        for b in range(schedule.p):
+            assert [x for x in sends[a] if x.dst == b] == [x for x in recvs[b] if x.src == a], (a, b)
+
+
+def test_a_wrong_schedule_order_is_caught_by_both_checks():
+    """Negative control: swap two forwards on rank 1 of 1F1B; the receives no longer match the
+    sends, and a backward placed before its forward's gradient can arrive deadlocks."""
+    good = make_schedule("1f1b", 3, 4)
+    acts = list(good.actions[1])
+    acts[0], acts[1] = acts[1], acts[0]  # F1 before F0 on rank 1
+    swapped = replace(good, actions=(good.actions[0], tuple(acts), good.actions[2]))
+    received = [x for x in messages(swapped, 1)[1] if x.src == 0]
+    assert received != [x for x in messages(swapped, 0)[0] if x.dst == 1]
+    last = list(good.actions[2])
+    last[0], last[1] = Action("B", 0), Action("F", 0)  # B0 before F0 on the last stage
+    with pytest.raises(DeadlockError, match="deadlocks"):
+        simulate(replace(good, actions=(*good.actions[:2], tuple(last))))
+
+
+@given(schedule=schedule_params())
+def test_simulated_bubble_equals_the_closed_form(schedule: Schedule):
+    """GPipe and 1F1B: (p-1)/(m+p-1); interleaved: (p-1)/(v·m+p-1); ZB-H1: (p-1)/(3m+p-1)."""
+    assert bubble_fraction(simulate(schedule), schedule.p) == closed_form_bubble(
+        schedule.name, schedule.p, schedule.m, schedule.v)
+
+
+@given(p=st.integers(1, 8), m=st.integers(1, 32))
+def test_1f1b_holds_at_most_p_microbatches_on_stage_0_where_gpipe_holds_m(p, m):
+    assert peak_in_flight(make_schedule("gpipe", p, m), 0) == m
+    assert peak_in_flight(make_schedule("1f1b", p, m), 0) == min(p, m)
+    for r in range(p):
+        assert peak_in_flight(make_schedule("1f1b", p, m), r) == min(p - r, m)
+    if m >= p:  # ZB-H1 defers W's on later ranks but keeps 1F1B's peak of p everywhere
+        assert max(peak_in_flight(make_schedule("zb", p, m), r) for r in range(p)) == p
+
+
+def test_interleaving_divides_the_bubble_by_v():
+    assert closed_form_bubble("1f1b", 4, 8) == Fraction(3, 11)
+    assert bubble_fraction(simulate(make_schedule("interleaved", 4, 8, 2)), 4) == Fraction(3, 19)
+    assert bubble_fraction(simulate(make_schedule("zb", 4, 8)), 4) == Fraction(3, 27)
+
+
+@pytest.mark.parametrize("name, p, m, v, message", [
+    ("interleaved", 4, 6, 2, r"--microbatches 6 .* multiple of 4"),
+    ("zb", 4, 2, 1, r"--microbatches 2 < 4 stages"),
+    ("1f1b", 4, 8, 2, r"--virtual-stages 2 with --schedule 1f1b"),
+    ("pipedream", 2, 4, 1, r"--schedule 'pipedream' is unknown"),
+])
+def test_impossible_schedules_are_refused_with_the_fix(name, p, m, v, message):
+    with pytest.raises(ValueError, match=message):
+        make_schedule(name, p, m, v)
+
+
+# --- training through the shared loop: equal to one device ------------------------------------
+
+
+def pipeline_strategy(spec: TrainSpec, schedule: str, v: int = 1, partition: str | None = None,
+                      strategy_class: type[PipelineStrategy] = PipelineStrategy) -> PipelineStrategy:
+    args = spec_args(spec, schedule=schedule, microbatches=spec.grad_accum, virtual_stages=v,
+                     partition=partition, timeline_png=None)
+    return strategy_class(args, init_distributed())
+
+
+@st.composite
+def pipeline_specs(draw, schedule: str):
+    """p 1-4 ranks (world = p, dp = 1), m 1-8 micro-batches (interleaved: a multiple of p; zb:
+    m >= p), v 1-2 for interleaved; layers an even multiple of p·v there, any count >= p (even
+    split or a drawn --partition) elsewhere."""
+    p = draw(st.integers(1, 4))
+    v = draw(st.integers(1, 2)) if schedule == "interleaved" else 1
+    m = (p * draw(st.integers(1, 8 // p)) if schedule == "interleaved"
+         else draw(st.integers(p if schedule == "zb" else 1, 8)))
+    cfg = draw(tiny_configs(layers_multiple_of=p * v))
+    partition = None
+    if v == 1:
+        cfg = replace(cfg, n_layers=draw(st.integers(p, p + 2)))
+        if p > 1 and draw(st.booleans()):
+            cuts = sorted(draw(st.sets(st.integers(1, cfg.n_layers - 1), min_size=p - 1, max_size=p - 1)))
+            partition = ",".join(str(b - a) for a, b in zip([0, *cuts], [*cuts, cfg.n_layers], strict=True))
+    micro = draw(st.integers(1, 2))
+    spec = TrainSpec(cfg=cfg, world_size=p, dp=1, global_batch=m * micro, micro_batch=micro,
+                     seq_len=draw(st.integers(2, 6)), steps=draw(st.integers(1, 2)),
+                     optimizer=draw(st.sampled_from(["adamw", "sgd"])), seed=draw(st.integers(0, 2**16)),
+                     clip_grad=draw(st.sampled_from([None, 1e-2])))
+    return spec, v, partition
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb"])
+@settings(max_examples=4)
+@given(data=st.data())
+def test_every_schedule_equals_single_device_training_float64(pools, schedule, data):
+    spec, v, partition = data.draw(pipeline_specs(schedule))
+    check_strategy(pools, spec, pipeline_strategy, schedule, v, partition)
+
+
+class AliasedReceiveExecutor(PipelineExecutor):
+    """The published bug: one receive buffer, reused for every message."""
+
+    def new_buffer(self, message):
+        if not hasattr(self, "_buffer"):
+            self._buffer = super().new_buffer(message)
+        return self._buffer
+
+
+class LossNotDividedExecutor(PipelineExecutor):
+    """Forgets the 1/m: every gradient m times too large."""
+
+    def scale_loss(self, loss):
+        return loss
+
+
+class AliasedReceiveStrategy(PipelineStrategy):
+    executor_class = AliasedReceiveExecutor
+
+
+class LossNotDividedStrategy(PipelineStrategy):
+    executor_class = LossNotDividedExecutor
+
+
+NEGATIVE = TrainSpec(cfg=get_config("tiny", n_layers=2), world_size=2, dp=1, global_batch=4,
+                     micro_batch=1, seq_len=6, steps=2)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_reusing_the_receive_buffer_is_rejected(pools, schedule):
+    """Stage 1 keeps micro-batch k's received activation for k's backward; receiving k+1 into the
+    same buffer changes it underneath autograd (no error, just wrong gradients)."""
+    check_strategy(pools, NEGATIVE, pipeline_strategy, schedule)
+    check_strategy_rejected(pools, NEGATIVE, pipeline_strategy, schedule, 1, None, AliasedReceiveStrategy)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_loss_not_divided_by_m_is_rejected_even_with_adamw(pools, optimizer):
+    """AdamW barely notices gradients m× too large in the loss and parameters; the per-step
+    gradient comparison does."""
+    spec = replace(NEGATIVE, optimizer=optimizer)
+    diffs = check_strategy_rejected(pools, spec, pipeline_strategy, "1f1b", 1, None, LossNotDividedStrategy)
+    assert diffs["grad"] > 0.5  # m = 4: every gradient off by 300%
+
+
+# --- memory: GPipe holds m micro-batches' activations, 1F1B at most p ---------------------------
+
+
+def stage0_activation_peaks(schedule: str, ms: list[int]) -> list[int] | None:
+    """Rank 0's peak saved-activation bytes (common.memory's ledger) for one step per m."""
+    cfg, p, rank = get_config("tiny", n_layers=4), dist.get_world_size(), dist.get_rank()
+    chunks = build_stages(build_model(cfg, 0, torch.float64), cfg, p, 1, rank)
+    peaks = []
+    for m in ms:
+        executor = PipelineExecutor(make_schedule(schedule, p, m), rank, chunks, loss_fn,
+                                    (1, 8, cfg.dim), torch.float64, torch.device("cpu"))
+        tokens = SyntheticTokens(cfg.vocab_size, 8).global_batch(0, m)
+        inputs, targets = split_inputs_targets(tokens)
+        with ActivationMeter(chunks[0].parameters()) as meter:
+            executor.run(list(inputs.split(1)), list(targets.split(1)))
+        peaks.append(meter.peak_bytes)
+    return peaks if rank == 0 else None
+
+
+def test_activation_memory_grows_with_m_for_gpipe_and_with_p_for_1f1b(pools):
+    ms = [4, 8, 16]
+    gpipe = pools.run(2, stage0_activation_peaks, "gpipe", ms)[0]
+    one_f_one_b = pools.run(2, stage0_activation_peaks, "1f1b", ms)[0]
+    per_microbatch = gpipe[0] / ms[0]
+    assert gpipe == pytest.approx([m * per_microbatch for m in ms], rel=0.02)  # ∝ m
+    assert one_f_one_b == pytest.approx([2 * per_microbatch] * len(ms), rel=0.02)  # ∝ p = 2
+
+
+# --- the measured bubble --------------------------------------------------------------------------
+
+
+class Sleep(torch.autograd.Function):
+    """A stand-in for a GPU kernel: takes wall time, not CPU (so 4 ranks on a loaded 2-core
+    machine each still 'compute' for exactly that long). y = x·w; backward sleeps twice as long."""
+
+    @staticmethod
+    def forward(ctx, x, w, seconds):
+        time.sleep(seconds)
+        ctx.save_for_backward(x, w)
+        ctx.seconds = seconds
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(2 * ctx.seconds)
+        x, w = ctx.saved_tensors
+        return grad * w, (grad * x).sum(), None
+
+
+class SleepStage(torch.nn.Module):
+    def __init__(self, first: bool, seconds: float, dim: int = 8):
+        super().__init__()
+        self.embed = torch.nn.Embedding(dim, dim) if first else None
+        self.w = torch.nn.Parameter(torch.ones(()))
+        self.seconds = seconds
+
+    def forward(self, x):
+        return Sleep.apply(self.embed(x) if self.embed is not None else x, self.w, self.seconds)
+
+
+def measured_bubbles(schedule: str, m: int, seconds: float, steps: int = 3) -> list[float] | None:
+    """Run `steps` steps of stages that cost F = `seconds`, B = 2·`seconds` of wall time; rank 0
+    gets the measured bubble of each step."""
+    p, rank = dist.get_world_size(), dist.get_rank()
+    executor = PipelineExecutor(make_schedule(schedule, p, m), rank, [SleepStage(rank == 0, seconds)],
+                                loss_fn, (1, 4, 8), torch.float32, torch.device("cpu"))
+    tokens = torch.randint(0, 8, (m, 5), generator=torch.Generator().manual_seed(0))
+    bubbles = []
+    for _ in range(steps):
+        dist.barrier()
+        executor.run(list(tokens[:, :-1].split(1)), list(tokens[:, 1:].split(1)))
+        gathered = [None] * p
+        dist.all_gather_object(gathered, executor.timeline)
+        bubbles.append(measured_bubble([i for g in gathered for i in g], p))
+    return bubbles if rank == 0 else None
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8)])
+def test_measured_bubble_is_within_0_1_of_the_simulated_one(pools, schedule, p, m):
+    """Stages whose actions take fixed wall time (sleep, like a GPU kernel) rather than CPU: on
+    this shared 2-core machine real CPU compute of 4 ranks is time-sliced by the OS, and the
+    measured bubble then reflects the contention, not the schedule (see the README)."""
+    simulated = float(bubble_fraction(simulate(make_schedule(schedule, p, m)), p))
+    bubbles = pools.run(p, measured_bubbles, schedule, m, 0.03)[0]
+    assert abs(statistics.median(bubbles) - simulated) < 0.1, (bubbles, simulated)
+
+
+# --- bad input: refused on every rank before any send -------------------------------------------
+
+
+def validate_argv(argv: list[str], n_layers: int | None = None):
+    args = pp_train.parse_args(argv)
+    if n_layers is not None:
+        args.cfg = get_config("tiny", n_layers=n_layers)
+    return pp_train.validate(args, dist.get_world_size())
+
+
+@pytest.mark.parametrize("argv, n_layers, message", [
+    (["--schedule", "gpipe"], 2, r"4 stages × 1 virtual stages = 4 > the model's 2 layers"),
+    (["--schedule", "interleaved", "--virtual-stages", "2"], 12,
+     r"--virtual-stages 2 on 4 stages: the model's 12 layers are not divisible by p·v = 8"),
+    (["--schedule", "interleaved", "--virtual-stages", "4"], None, r"16 > the model's 8 layers"),
+    (["--schedule", "zb", "--microbatches", "2"], None, r"--microbatches 2 < 4 stages with --schedule zb"),
+    (["--schedule", "interleaved", "--microbatches", "6", "--global-batch", "12"], None,
+     r"--microbatches 6 .* multiple of 4"),
+    (["--schedule", "1f1b", "--microbatches", "6"], None,
+     r"--global-batch 16 is not divisible by --microbatches 6"),
+    (["--schedule", "1f1b", "--virtual-stages", "2"], None, r"only 'interleaved' has virtual stages"),
+    (["--schedule", "gpipe", "--partition", "4,4,1,0"], None, r"each stage needs >= 1 layer"),
+    (["--schedule", "gpipe", "--partition", "4,4"], None, r"has 2 entries for 4 stages"),
+    (["--schedule", "gpipe", "--micro-batch", "4"], None,
+     r"--micro-batch 4 != --global-batch 16 / --microbatches 8"),
+    (["--schedule", "fast"], None, r"--schedule 'fast' is unknown"),
+])
+def test_bad_input_fails_on_every_rank_before_any_send(pools, argv, n_layers, message):
+    with pytest.raises(RankError, match=message) as info:
+        pools.run(4, validate_argv, argv, n_layers)
+    assert sorted(info.value.errors) == [0, 1, 2, 3]
+    pools.run(4, dist.barrier)  # nobody was left inside a send or a collective
+
+
+# --- the demo through the shared loop -------------------------------------------------------------
+
+
+def train_cli(argv: list[str]) -> dict:
+    args = pp_train.parse_args(argv)
+    layout = pp_train.validate(args, dist.get_world_size())
+    ctx = init_distributed()
+    return train(args, ctx, pp_train.build(args, ctx, layout), layout, chapter=6)
+
+
+@pytest.mark.parametrize("schedule, extra", [("1f1b", []), ("interleaved", ["--clip-grad", "1e-3"]),
+                                             ("zb", ["--dtype", "float32", "--mixed-precision", "bf16"])])
+def test_train_check_passes_and_report_matches_formulas(pools, schedule, extra):
+    argv = ["--model", "tiny", "--dtype", "float64", "--steps", "2", "--global-batch", "8",
+            "--seq-len", "8", "--check", "--data", "synthetic", "--log-every", "0",
+            "--schedule", schedule, "--microbatches", "4", *extra]
+    reports = pools.run(2, train_cli, argv)
+    assert all(r["check_passed"] for r in reports)
+    for rank, report in enumerate(reports):
+        assert report["comm_bytes_per_rank"] == pytest.approx(report["comm_bytes_formula"], rel=1e-12)
+        for key in ("params", "grads", "optimizer"):
+            assert report["memory"][key] == report["memory_formula"][key], (rank, key)
+    report = reports[0]
+    assert 0 <= report["bubble_fraction"] < 1
+    assert report["bubble_formula"] == pytest.approx(report["bubble_simulated"])
+    assert report["mesh"] == {"pp": 2}
+
+
+# --- for chapter 07: a pipeline over a sub-group, and the after-backward hook ------------------
+
+
+def two_pipelines(schedule: str) -> tuple[float, list]:
+    """Ranks {0, 2} and {1, 3} form two 2-stage pipelines (as a PP × DP mesh would); each trains
+    one step on the same batch. Group rank 0 of each compares the gathered gradients with the
+    single-device reference; every rank reports the after_backward calls it saw."""
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
+    group = groups[dist.get_rank() % 2]
+    spec = replace(NEGATIVE, world_size=2, steps=1, clip_grad=1e-2)
+    args = spec_args(spec, schedule=schedule, microbatches=spec.grad_accum, virtual_stages=1,
+                     partition=None, timeline_png=None)
+    strategy = PipelineStrategy(args, init_distributed(), pp_group=group)
+    calls = []
+    strategy.executor.after_backward = lambda chunk, mb, last: calls.append((chunk, mb, last))
+    tokens = spec.data().global_batch(0, spec.global_batch)
+    strategy.forward_backward(list(tokens.split(spec.micro_batch)))
+    grads = strategy.full_gradients()
+    strategy.step()
+    diff = 0.0
+    if grads is not None:
+        reference = reference_record(spec)
+        diff = relative_diff(grads, reference.grads[0])
+    return diff, calls
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_pipelines_over_sub_groups_equal_one_device_and_call_after_backward(pools, schedule):
+    results = pools.run(4, two_pipelines, schedule)
+    assert max(diff for diff, _ in results) < 1e-10
+    for _, calls in results:  # m = 4 micro-batches, one chunk: 4 backwards, the last one flagged
+        assert [mb for _, mb, _ in calls] == [0, 1, 2, 3]
+        assert [last for *_, last in calls] == [False, False, False, True]
