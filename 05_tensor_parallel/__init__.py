@@ -1,1 +1,105 @@
-"""Chapter 05: not written yet (see the course map in README.md)."""
+"""Chapter 05: Megatron-style tensor parallelism (TP) with sequence parallelism (SP).
+
+Every function and layer takes the TP process `group` explicitly (never the world), so a 3D mesh
+can pass one line of its TP dimension. Every rank of a TP group must feed the same data.
+
+Public API (the core imports only torch):
+
+Operators (mappings.py), autograd functions over `group`:
+    copy_to_tp_region(x, group)          f: identity fwd, all-reduce bwd
+    reduce_from_tp_region(x, group)      g: all-reduce fwd, identity bwd
+    gather_from_tp_region / scatter_to_tp_region (last dim)
+    gather_from_sequence_parallel_region(x, group, dim=1)        all-gather fwd, reduce-scatter bwd
+    reduce_scatter_to_sequence_parallel_region(x, group, dim=1)  reduce-scatter fwd, all-gather bwd
+    scatter_to_sequence_parallel_region(x, group, dim=1)         split fwd, all-gather bwd
+
+Layers (layers.py), each with `.from_linear(...)` / `.from_embedding(...)` / `.from_norm(...)`
+building the shard from the full module's weights:
+    ColumnParallelLinear(in, out, group, gather_output=False, sequence_parallel=False,
+                         input_is_mapped=False, num_shards=None)
+    RowParallelLinear(in, out, group, input_is_parallel=True, sequence_parallel=False)
+    VocabParallelEmbedding(V, dim, group, sequence_parallel=False)   (V padded to a multiple of t)
+    SequenceParallelRMSNorm(dim, eps, group)
+    vocab_parallel_cross_entropy(logits, targets, group, vocab_start, vocab_size) (cross_entropy.py)
+
+Model (parallelize.py), in place, from full weights identical on every rank of the group:
+    parallelize_llama(model, tp_group, sequence_parallel=False) -> {name: TPShard}
+    parallelize_block(block, group, sequence_parallel=False) -> {name: TPShard}   (one block)
+    parallelize_blocks(blocks, group, sequence_parallel=False)                    (a PP stage's run)
+    parallelize_embedding(embedding, group, sp) -> VocabParallelEmbedding          (first stage)
+    parallelize_head(norm, output, group, sp) -> (norm, ColumnParallelLinear)      (last stage)
+    vocab_parallel_loss(head, logits, targets)   the mean cross-entropy of the split logits
+    check_tp_sizes(tp, n_heads, n_kv_heads, hidden_dim, seq_len, sequence_parallel)  ValueError
+  Under SP a block's input/output is this rank's s/t tokens [B, T/t, H] (sequence dim 1), the
+  embedding returns them and the head gathers them: pass [B, T/t, H] between pipeline stages.
+  After backward every parameter's .grad is the gradient of its shard of the full model's loss
+  (the SP norms' and replicated K/V heads' gradients are already summed over the TP group), so
+  data parallelism/FSDP can treat the TP-local parameters like any others.
+
+Sharding description (sharding.py), for gathering, checkpoints and clipping:
+    TPShard(dim, num_shards, group, full_size): the full tensor is cut along `dim` into
+        `num_shards` pieces (last one zero-padded up to full_size), rank r holds piece
+        r // copies, copies = t / num_shards; dim=None: replicated (copies = t).
+    tp_shard_specs(module, group, prefix="") -> {name: TPShard} for every parameter
+    gather_tensor(local, spec) / gather_full({name: tensor}, specs) -> full tensors (collective)
+    local_sq_norm({name: grad}, specs) -> Σ ‖g‖²/copies: all-reduce it over the TP group (and over
+        any other dim that shards the same tensors) for the global norm, replicas counted once
+    clip_grad_norm_({name: param}, specs, max_norm, group)   torch semantics over the full model
+
+Formulas (formulas.py): activation bytes per layer (itemized, this LLaMA, t, SP) and
+communication per block.
+"""
+
+from .cross_entropy import vocab_parallel_cross_entropy
+from .layers import ColumnParallelLinear, RowParallelLinear, SequenceParallelRMSNorm, VocabParallelEmbedding
+from .mappings import (
+    copy_to_tp_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tp_region,
+)
+from .parallelize import (
+    check_tp_sizes,
+    parallelize_attention,
+    parallelize_block,
+    parallelize_blocks,
+    parallelize_embedding,
+    parallelize_feed_forward,
+    parallelize_head,
+    parallelize_llama,
+    vocab_parallel_loss,
+)
+from .sharding import TPShard, clip_grad_norm_, gather_full, gather_tensor, local_sq_norm, tp_shard_specs
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "SequenceParallelRMSNorm",
+    "TPShard",
+    "VocabParallelEmbedding",
+    "check_tp_sizes",
+    "clip_grad_norm_",
+    "copy_to_tp_region",
+    "gather_from_sequence_parallel_region",
+    "gather_from_tp_region",
+    "gather_full",
+    "gather_tensor",
+    "local_sq_norm",
+    "parallelize_attention",
+    "parallelize_block",
+    "parallelize_blocks",
+    "parallelize_embedding",
+    "parallelize_feed_forward",
+    "parallelize_head",
+    "parallelize_llama",
+    "reduce_from_tp_region",
+    "reduce_scatter_to_sequence_parallel_region",
+    "scatter_to_sequence_parallel_region",
+    "scatter_to_tp_region",
+    "tp_shard_specs",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_loss",
+]

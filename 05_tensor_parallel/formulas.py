@@ -1,0 +1,133 @@
+"""Closed forms for this LLaMA under tensor parallelism: the activations autograd saves per rank
+(in the style of Korthikanti et al. 2022, §4) and the bytes each block communicates.
+
+Activations per transformer block, per rank (b sequences of s tokens, width h, a query heads, FFN
+width F, t ranks, e bytes per element), itemized from what autograd saves:
+
+    RMSNorm (×2)  its input x, x·r (both b·s·h), r = rsqrt(mean x² + ε) (b·s)
+    Q, K, V       the norm's output y (b·s·h, one storage read by wq, wk, wv)
+    attention     q, k, v after RoPE and the GQA repeat (3·b·s·h/t), its output (b·s·h/t),
+                  the log-sum-exp (b·(a/t)·s, float32 or better): the flash kernel keeps no s×s
+    FFN           y (b·s·h); w1 x, w3 x, silu(w1 x) and their product (4·b·s·F/t)
+    (RoPE saves only its cos/sin tables, once for all blocks: a model-level term.)
+
+    no SP:  s·b·h·e · (6 + 4/t + 4F/(h·t))  + small terms
+    SP:     s·b·h·e · (2 + 8/t + 4F/(h·t))  + small terms
+
+Unlike GPT (Korthikanti: sbh(10 + 24/t + 5as/(ht)) without SP, sbh(34/t + 5as/(ht)) with it),
+LLaMA has no dropout masks, no biases, SwiGLU's four F-wide tensors instead of GeLU's two 4h-wide,
+and the flash kernel replaces the 5as/(ht) softmax term by a log-sum-exp. SP divides by t
+everything between the TP regions (the norms' inputs and products: 4 b·s·h); the 2 that stay are
+the all-gathered norm outputs, which the column layers save whole. Megatron keeps only the local
+s/t slice and all-gathers it again in backward (2 more all-gathers per block), reaching 2/t.
+
+Communication per block per micro-batch (wire bytes per rank, nccl-tests convention):
+
+    no SP: 2 all-reduces forward (g after wo, w2) + 2 backward (f before QKV, w1/w3) of b·s·h·e
+           → 4 · 2(t-1)/t · b·s·h·e
+    SP:    2 all-gathers + 2 reduce-scatters forward, the same backward → 8 · (t-1)/t · b·s·h·e
+           (the same bytes), plus the norms' weight gradients: 2 all-reduces of h·e backward
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the formulas need: micro-batch b, sequence s, width h, query heads a, kv heads, FFN
+    width F, layers L, vocab V, head_dim, t, sequence_parallel, e (compute bytes per element)."""
+
+    b: int
+    s: int
+    h: int
+    a: int
+    kv: int
+    F: int
+    L: int
+    V: int
+    head_dim: int
+    t: int
+    sequence_parallel: bool
+    e: int
+
+
+def layer_activation_terms(x: Shape) -> dict[str, float]:
+    """Bytes saved for backward by one block on one rank, by term."""
+    b, s, h, t, e = x.b, x.s, x.h, x.t, x.e
+    bsh = b * s * h * e
+    local = 1 / t if x.sequence_parallel else 1  # the fraction of the tokens a norm region holds
+    return {
+        "norm inputs x, h (2)": 2 * bsh * local,
+        "norm products x·r (2)": 2 * bsh * local,
+        "norm rsqrt r (2)": 2 * b * s * e * local,
+        "norm outputs, read by the column layers (2)": 2 * bsh,
+        "q, k, v after RoPE + GQA repeat": 3 * bsh / t,
+        "attention output": bsh / t,
+        "attention log-sum-exp": b * (x.a // t) * s * max(e, 4),
+        "w1 x, w3 x, silu(w1 x), product": 4 * b * s * x.F * e / t,
+    }
+
+
+def layer_activation_bytes(x: Shape) -> float:
+    return sum(layer_activation_terms(x).values())
+
+
+def model_activation_terms(x: Shape) -> dict[str, float]:
+    """Bytes saved by the whole model for one micro-batch (the ledger's peak: backward only
+    frees): L blocks plus the embedding, RoPE tables, final norm, head and vocab-parallel loss."""
+    b, s, h, t, e = x.b, x.s, x.h, x.t, x.e
+    local = 1 / t if x.sequence_parallel else 1
+    rows = -(-x.V // t)  # the vocab per rank, padded
+    return {
+        "blocks": x.L * layer_activation_bytes(x),
+        "embedding ids (int64) + out-of-range mask (bool)": b * s * (8 + 1),
+        "RoPE cos, sin": s * x.head_dim * e,
+        "final norm x, x·r, r": (2 * b * s * h + b * s) * e * local,
+        "head input (norm output, whole sequence)": b * s * h * e,
+        "loss: softmax over the local vocab, target ids, in-range mask": b * s * (rows * max(e, 4) + 8 + 1),
+    }
+
+
+def model_activation_bytes(x: Shape) -> float:
+    return sum(model_activation_terms(x).values())
+
+
+def block_comm_bytes(x: Shape) -> dict[str, float]:
+    """Wire bytes per rank of one block's forward + backward (one micro-batch), by collective."""
+    t, bshe = x.t, x.b * x.s * x.h * x.e
+    if t == 1:
+        return {}
+    if x.sequence_parallel:
+        return {"all_gather": 4 * (t - 1) / t * bshe, "reduce_scatter": 4 * (t - 1) / t * bshe,
+                "all_reduce": 2 * 2 * (t - 1) / t * x.h * x.e}
+    return {"all_reduce": 4 * 2 * (t - 1) / t * bshe}
+
+
+def local_parameter_count(x: Shape) -> tuple[int, int]:
+    """(elements, tensors) of one rank's parameters: the vocab padded to a multiple of t, K/V
+    heads split (n_kv/t each) or one replicated head per rank when n_kv < t, norms replicated."""
+    rows, t, h = -(-x.V // x.t), x.t, x.h
+    kv_local = x.kv // t if x.kv >= t else 1
+    block = 2 * h * h // t + 2 * kv_local * x.head_dim * h + 3 * x.F // t * h + 2 * h
+    return 2 * rows * h + x.L * block + h, 3 + 9 * x.L
+
+
+def step_comm_bytes(x: Shape, micro_batches: int, dp: int = 1, reduce_bytes: int | None = None,
+                    clip: bool = False) -> float:
+    """Wire bytes per rank per optimizer step: the blocks, the embedding and head boundaries,
+    the replicated K/V heads' gradient sums, the vocab-parallel loss, then the data-parallel
+    gradient all-reduce (reduce_bytes per element) and the clipping norm's all-reduce."""
+    t, bshe, ar = x.t, x.b * x.s * x.h * x.e, 2 * (x.t - 1) / x.t
+    per_micro = x.L * sum(block_comm_bytes(x).values())
+    if x.sequence_parallel:  # embedding RS + AG, head AG + RS, the final norm's weight gradient
+        per_micro += 4 * (t - 1) / t * bshe + ar * x.h * x.e
+    else:  # embedding g, head f
+        per_micro += 2 * ar * bshe
+    if x.kv < t:  # wk, wv gradients summed over the replicas of each K/V head
+        per_micro += x.L * 2 * ar * x.kv * x.head_dim * x.h * x.e
+    per_micro += ar * 3 * x.b * x.s * max(x.e, 4)  # loss: MAX of N, SUM of [sum-exp, target logit]
+    elements, _ = local_parameter_count(x)
+    data_parallel = 2 * (dp - 1) / dp * elements * (reduce_bytes or x.e)
+    return micro_batches * per_micro + data_parallel + (ar * 8 if clip else 0)
