@@ -1,0 +1,211 @@
+"""Chapter 03 demo: train LLaMA with ZeRO stage 0-3 (optionally offloaded), DeepSpeed-style config.
+
+    torchrun --standalone --nproc-per-node 4 03_zero/train.py --stage 3 --check
+    torchrun --standalone --nproc-per-node 4 03_zero/train.py --config 03_zero/configs/stage2.json
+
+Flags override the config file's keys (--stage, --offload, the bucket sizes, the threshold); the
+file's micro-batch and accumulation set the batch layout unless the flags do, and must agree with
+--global-batch and the rank count. The report prints each stage's memory and communication
+formula beside the measured values.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+import torch
+
+from common.cli import (
+    DTYPES,
+    BatchLayout,
+    ConfigError,
+    base_parser,
+    batch_layout,
+    model_config,
+    require,
+    validate_common,
+)
+from common.data import split_inputs_targets
+from common.dist import DistContext
+from common.memory import ActivationMeter, storage_bytes
+from common.model import build_model, loss_fn
+from common.reference import make_optimizer
+from common.training import Strategy, run_main
+from zero.accounting import comm_formula, memory_formula, optimizer_bytes_per_param
+from zero.config import ZeroConfig, ZeroConfigError, load_config, to_dict
+from zero.engine import ZeroEngine
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = base_parser(__doc__.splitlines()[0])
+    p.set_defaults(global_batch=None)
+    p.add_argument("--stage", type=int, default=None, help="ZeRO stage 0-3 (default: the config's, else 2)")
+    p.add_argument("--offload", action="store_true",
+                   help="offload_optimizer (and at stage 3 offload_param) to the CPU")
+    p.add_argument("--config", default=None, metavar="FILE", help="DeepSpeed-style JSON config")
+    p.add_argument("--reduce-bucket-size", type=float, default=None, metavar="ELEMENTS",
+                   help="gradient bucket (elements; DeepSpeed's default 5e8)")
+    p.add_argument("--allgather-bucket-size", type=float, default=None, metavar="ELEMENTS",
+                   help="parameter all-gather elements in flight after the step")
+    p.add_argument("--param-persistence-threshold", type=float, default=None, metavar="ELEMENTS",
+                   help="stage 3: parameters smaller than this stay whole (default 1e5)")
+    p.add_argument("--no-overlap", action="store_true", help="overlap_comm false: reduce after backward")
+    return p.parse_args(argv)
+
+
+def resolve_config(args: argparse.Namespace) -> ZeroConfig:
+    """The config file (or the defaults) with the flags applied on top, validated as one."""
+    try:
+        config = load_config(args.config) if args.config else ZeroConfig(stage=2)
+    except ZeroConfigError as error:
+        raise ConfigError(f"--config {args.config}: {error}") from None
+    if args.stage is not None:
+        require(args.stage in (0, 1, 2, 3), f"--stage {args.stage}: ZeRO has stages 0 (plain DP), 1 "
+                "(optimizer state), 2 (+ gradients) and 3 (+ parameters); use one of 0, 1, 2, 3")
+        config = replace(config, stage=args.stage)
+    for flag, key, minimum in (("--reduce-bucket-size", "reduce_bucket_size", 1),
+                               ("--allgather-bucket-size", "allgather_bucket_size", 1),
+                               ("--param-persistence-threshold", "param_persistence_threshold", 0)):
+        value = getattr(args, key)
+        if value is not None:
+            require(value >= minimum and float(value).is_integer(),
+                    f"{flag} {value:g}: must be a whole number of elements >= {minimum} (e.g. 5e8)")
+            config = replace(config, **{key: int(value)})
+    if args.offload:
+        config = replace(config, offload_optimizer="cpu",
+                         offload_param="cpu" if config.stage == 3 else "none")
+    if args.no_overlap:
+        config = replace(config, overlap_comm=False)
+    require(config.offload_param == "none" or config.stage == 3,
+            f"offload_param with stage {config.stage}: only stage 3 partitions the parameters; use "
+            "--stage 3 or remove offload_param from the config")
+    mixed = getattr(args, "mixed_precision", "none")
+    if config.bf16 or mixed == "bf16":
+        config, args.mixed_precision = replace(config, bf16=True), "bf16"
+    if config.clip is not None:
+        require(args.clip_grad in (None, config.clip),
+                f"--clip-grad {args.clip_grad} disagrees with the config's gradient_clipping "
+                f"{config.gradient_clipping}: drop one of the two")
+        args.clip_grad = config.clip
+    elif args.clip_grad is not None:
+        config = replace(config, gradient_clipping=args.clip_grad)
+    return config
+
+
+def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
+    """Everything that can be wrong with the input, checked on every rank before any collective."""
+    config = resolve_config(args)
+    validate_common(args)
+    micro, accum = args.micro_batch, args.grad_accum
+    for flag, value, key in (("--micro-batch", micro, "train_micro_batch_size_per_gpu"),
+                             ("--grad-accum", accum, "gradient_accumulation_steps")):
+        require(value is None or getattr(config, key) in (None, value),
+                f"{flag} {value} disagrees with the config's {key} {getattr(config, key)}: drop one")
+    micro = micro or config.train_micro_batch_size_per_gpu
+    accum = accum or config.gradient_accumulation_steps
+    implied = micro * accum * world_size if micro and accum else None
+    global_batch = args.global_batch or config.train_batch_size or implied or 16
+    for source, value in (("train_batch_size", config.train_batch_size),
+                          ("train_micro_batch_size_per_gpu × gradient_accumulation_steps × ranks", implied)):
+        require(value in (None, global_batch),
+                f"the config's {source} = {value} disagrees with --global-batch {global_batch} on "
+                f"{world_size} ranks: make them agree (DeepSpeed: train_batch_size = micro × accumulation "
+                "× ranks), or drop --global-batch")
+    args.global_batch = global_batch
+    layout = batch_layout(global_batch, world_size, micro, accum)
+    args.zero = replace(config, gradient_accumulation_steps=layout.grad_accum,
+                        train_micro_batch_size_per_gpu=layout.micro_batch)
+    args.grad_accum, args.micro_batch = layout.grad_accum, layout.micro_batch
+    return layout
+
+
+class FlatActivationMeter(ActivationMeter):
+    """Saved-tensor bytes, not counting the engine's flat parameter storages (stage 3 gathers them
+    into fresh allocations, so the parameter keys taken at construction would miss them)."""
+
+    def __init__(self, engine: ZeroEngine):
+        super().__init__(engine.module.parameters())
+        self.engine = engine
+
+    def _add(self, t: torch.Tensor):
+        ptr = t.untyped_storage().data_ptr()
+        if any(g.flat.untyped_storage().data_ptr() == ptr for g in self.engine.groups):
+            return None
+        return super()._add(t)
+
+
+class ZeroStrategy(Strategy):
+    """The model's parameters live in ZeroEngine's flat buffers; each rank steps its own slice."""
+
+    def __init__(self, args: argparse.Namespace, ctx: DistContext, process_group=None):
+        cfg, config = model_config(args), args.zero
+        model = build_model(cfg, args.seed, DTYPES[args.dtype], ctx.device)  # fp32 masters in bf16
+        self.engine = ZeroEngine(model, lambda ps: make_optimizer(ps, args.optimizer, args.lr), config,
+                                 process_group, gradient_accumulation_steps=args.grad_accum)
+        self.model, self.optimizer, self.config = model, self.engine.optimizer, config
+        self.name = f"zero-{config.stage}" + ("-offload" if config.offload else "")
+        self.dp_rank, self.dp_size = self.engine.rank, self.engine.world
+        self.mesh = {"dp": self.dp_size}
+        self.optimizer_name, self.itemsize = args.optimizer, DTYPES[args.dtype].itemsize
+
+    def forward_backward(self, micro_batches: list[torch.Tensor]) -> float:
+        total = 0.0
+        for tokens in micro_batches:
+            inputs, targets = split_inputs_targets(tokens)
+            loss = loss_fn(self.engine(inputs), targets) / len(micro_batches)
+            loss.backward()  # the engine's hooks reduce; its end-of-backward callback waits
+            total += loss.item()
+        return total
+
+    def step(self) -> None:
+        self.engine.step()
+
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        return self.engine.full_gradients()
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        return self.engine.full_parameters()
+
+    def memory(self) -> dict[str, int]:
+        return {kind: storage_bytes(ts) for kind, ts in self.engine.state_tensors().items()}
+
+    def memory_offloaded(self) -> dict[str, int]:
+        """The part of `memory()` that lives off the compute device (0 on a CPU-only run)."""
+        device = self.engine.device
+        return {kind: storage_bytes(t for t in ts if t.device != device)
+                for kind, ts in self.engine.state_tensors().items()}
+
+    def activation_meter(self) -> ActivationMeter:
+        return FlatActivationMeter(self.engine)
+
+    def sizes(self) -> dict[str, int]:
+        """Ψ and the persistent part of it, and the byte sizes of the formulas."""
+        psi = sum(p.numel() for g in self.engine.groups for p in g.params)
+        persistent = sum(g.numel for g in self.engine.groups if g.persistent) if self.config.stage == 3 else 0
+        mixed = self.config.bf16
+        return {"psi": psi, "psi_persistent": persistent, "b_param": 2 if mixed else self.itemsize,
+                "b_grad": 4 if mixed else self.itemsize,
+                "k": optimizer_bytes_per_param(self.optimizer_name, mixed, self.itemsize)}
+
+    def formulas(self, steps: int) -> tuple[float, dict[str, float]]:
+        s, c, n = self.sizes(), self.config, self.dp_size
+        comm = steps * comm_formula(c.stage, s["psi"], n, s["b_param"], s["b_grad"],
+                                    self.engine.gas, s["psi_persistent"], clip=c.clip is not None)
+        return comm, memory_formula(c.stage, s["psi"], n, s["b_param"], s["b_grad"], s["k"],
+                                    s["psi_persistent"])
+
+    def report_extras(self) -> dict:
+        return {"zero_config": to_dict(self.config), "memory_offloaded": self.memory_offloaded(),
+                "zero_sizes": self.sizes(), "grad_norm": self.engine.last_grad_norm}
+
+
+def build(args: argparse.Namespace, ctx: DistContext, layout: BatchLayout) -> Strategy:
+    return ZeroStrategy(args, ctx)
+
+
+if __name__ == "__main__":
+    run_main(parse_args, validate, build, chapter=3)
