@@ -1,0 +1,207 @@
+"""One FSDP unit's parameters as one flat, padded tensor, sharded 1/N across a process group.
+
+    flat   = cat(p.flatten() for p in unit) ++ zeros(pad)      numel P_u, padded to N·S
+    shard  = flat[r·S : (r+1)·S]                               what rank r keeps (the nn.Parameter)
+    full   = all_gather(shard.to(param_dtype))                 the unit's compute copy, P_u·b_param bytes
+    grad   = reduce_scatter(full.grad.to(reduce_dtype), SUM)/N  → shard.grad
+
+`full` is a leaf tensor that requires grad; the unit's modules see views of it as their weights
+(`module.weight = full[o:o+n].view(shape)`), so autograd sums every use of a weight into
+`full.grad`, and a post-accumulate-grad hook on `full` fires once per backward when the unit's
+gradient is complete. Freeing `full` releases its storage (`untyped_storage().resize_(0)`) but
+keeps the tensor and its views: the activations autograd saved in forward still point at that
+storage, so gathering into it again before the unit's backward makes them valid again (torch's
+FSDP does the same). The gather writes through `full.data`, which shares the storage but not the
+version counter, so autograd does not see the refill as an in-place change.
+
+With one shard (NO_SHARD, or a group of one) and no dtype change, `full` aliases the shard's
+storage: nothing is gathered or freed. Depends only on torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
+    """`dist.all_gather_single` (torch >= 2.13), else `dist.all_gather_into_tensor`; looked up at
+    call time so that a communication meter wrapping `torch.distributed` sees it."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
+    """SUM reduce-scatter (never AVG: gloo on torch 2.5-2.8 silently returns the SUM for it)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+class FlatParamHandle:
+    """The flat parameter of one unit: its shard, its gathered copy, its gradient reduction.
+
+    `params`: (name, owner module, attribute) for each parameter of the unit, in registration
+    order; a parameter reachable under several names (tied within the unit) is stored once."""
+
+    def __init__(self, params: list[tuple[str, nn.Module, str]], group, shard: bool,
+                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
+                 on_event: Callable[[str, FlatParamHandle], None] | None = None):
+        self.group, self.on_event, self.name = group, on_event, ""
+        self.group_size = dist.get_world_size(group)
+        self.shard_world = self.group_size if shard else 1
+        self.shard_rank = dist.get_rank(group) if shard else 0
+        unique: dict[int, int] = {}
+        originals: list[nn.Parameter] = []
+        self.names, self.shapes, self.setters = [], [], []
+        for name, module, attr in params:
+            p = module._parameters[attr]
+            if id(p) not in unique:
+                unique[id(p)] = len(originals)
+                originals.append(p)
+                self.names.append(name)
+                self.shapes.append(p.shape)
+            self.setters.append((module, attr, unique[id(p)]))
+        self.param_ids = set(unique)
+        dtypes = {p.dtype for p in originals}
+        devices = {p.device for p in originals}
+        grads = {p.requires_grad for p in originals}
+        if len(dtypes) > 1 or len(devices) > 1 or len(grads) > 1:
+            raise ValueError(f"a unit's parameters must share dtype, device and requires_grad; "
+                             f"{self.names} have {dtypes}, {devices}, requires_grad {grads}: wrap "
+                             "the differing modules as separate units")
+        self.numels = [p.numel() for p in originals]
+        self.numel = sum(self.numels)
+        self.shard_numel = -(-self.numel // self.shard_world)  # ceil
+        self.padded = self.shard_numel * self.shard_world
+        self.pad = self.padded - self.numel
+        dtype, device = dtypes.pop(), devices.pop()
+        with torch.no_grad():
+            flat = torch.cat([p.detach().reshape(-1) for p in originals]
+                             + [torch.zeros(self.pad, dtype=dtype, device=device)])
+            start = self.shard_rank * self.shard_numel
+            self.flat_param = nn.Parameter(flat[start : start + self.shard_numel].clone(),
+                                           requires_grad=grads.pop())
+        del flat
+        for module, attr, _ in self.setters:
+            delattr(module, attr)  # the module's weights become views of `full` in forward
+        self.param_dtype = param_dtype or dtype
+        self.reduce_dtype = reduce_dtype or self.param_dtype
+        self.alias = self.shard_world == 1 and self.param_dtype == dtype
+        if self.alias:  # one shard, same dtype: `full` IS the shard's storage
+            self.full = torch.empty(0, dtype=dtype, device=device)
+            self.full.set_(self.flat_param.untyped_storage(), 0, (self.padded,), (1,))
+        else:
+            self.full = torch.empty(self.padded, dtype=self.param_dtype, device=device)
+            self.full.untyped_storage().resize_(0)
+        self.full.requires_grad_(self.flat_param.requires_grad)
+        self.allocated = self.alias
+        self._gather: tuple[dist.Work | None, torch.Tensor] | None = None
+        self._reduce: tuple[dist.Work | None, torch.Tensor, torch.Tensor] | None = None
+        self._accumulated: torch.Tensor | None = None  # unsharded gradient under no_sync
+
+    @property
+    def full_bytes(self) -> int:
+        """Bytes of the gathered copy: P_u (padded) · b_param."""
+        return self.padded * self.full.element_size()
+
+    # --- forward / backward life cycle --------------------------------------------------------
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Allocate `full` and all-gather the shards into it (cast to param_dtype first)."""
+        if self.allocated:
+            return
+        self.full.untyped_storage().resize_(self.full_bytes)
+        self.allocated = True
+        if self.on_event:
+            self.on_event("gather", self)
+        source = self.flat_param.detach().to(self.param_dtype)
+        if self.shard_world == 1:
+            self.full.data.copy_(source)
+            return
+        work = all_gather_flat(self.full.data, source, self.group, async_op=async_op)
+        self._gather = (work, source) if async_op else None
+
+    def wait_unshard(self) -> None:
+        if self._gather is not None:
+            work, _ = self._gather
+            self._gather = None
+            work.wait()
+
+    def use_views(self) -> None:
+        """Point every parameter attribute of the unit at its slice of `full`."""
+        views = self.full.split([*self.numels, self.pad] if self.pad else self.numels)
+        for module, attr, i in self.setters:
+            setattr(module, attr, views[i].view(self.shapes[i]))
+
+    def reshard(self) -> None:
+        """Free the gathered copy (its views and saved activations keep the empty storage)."""
+        if self.alias or not self.allocated:
+            return
+        self.wait_unshard()
+        self.full.untyped_storage().resize_(0)
+        self.allocated = False
+        if self.on_event:
+            self.on_event("free", self)
+
+    def reduce_grad(self, grad: torch.Tensor, sync: bool) -> None:
+        """Cast the unit's full gradient to reduce_dtype; under no_sync keep summing it locally,
+        else start the SUM reduce-scatter (all-reduce for NO_SHARD) asynchronously."""
+        grad = grad.to(self.reduce_dtype)
+        if self._accumulated is not None:
+            grad = self._accumulated.add_(grad)
+            self._accumulated = None
+        if not sync:
+            self._accumulated = grad
+            return
+        if self.group_size == 1:
+            self._reduce = (None, grad, grad)
+        elif self.shard_world == 1:
+            work = dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            self._reduce = (work, grad, grad)
+        else:
+            out = grad.new_empty(self.shard_numel)
+            self._reduce = (reduce_scatter_flat(out, grad, self.group, async_op=True), out, grad)
+
+    def finish_grad(self) -> None:
+        """Wait for the reduction, divide by N and accumulate into the shard's `.grad`."""
+        if self._reduce is None:
+            return
+        work, out, _ = self._reduce
+        self._reduce = None
+        if work is not None:
+            work.wait()
+        if self.group_size > 1:
+            out.div_(self.group_size)
+        out = out.to(self.flat_param.dtype)
+        if self.flat_param.grad is None:
+            self.flat_param.grad = out
+        else:
+            self.flat_param.grad.add_(out)
+
+    # --- whole tensors, for checks and checkpoints (collectives over the group) ---------------
+
+    def gather(self, shard: torch.Tensor | None) -> torch.Tensor:
+        """The full flat tensor from every rank's shard-sized `shard` (None: zeros)."""
+        shard = (torch.zeros_like(self.flat_param) if shard is None else shard).detach()
+        if self.shard_world == 1:
+            return shard
+        out = shard.new_empty(self.padded)
+        all_gather_flat(out, shard.contiguous(), self.group)
+        return out
+
+    def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{original name: view of `flat` in the original shape}."""
+        views = flat[: self.numel].split(self.numels)
+        return {n: v.view(s) for n, v, s in zip(self.names, views, self.shapes, strict=True)}
+
+    def load_full(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's slice of full tensors (every rank passes all of them) into the shard."""
+        flat = torch.cat([tensors[n].detach().reshape(-1).to(self.flat_param) for n in self.names]
+                         + [torch.zeros(self.pad, dtype=self.flat_param.dtype,
+                                        device=self.flat_param.device)])
+        start = self.shard_rank * self.shard_numel
+        with torch.no_grad():
+            self.flat_param.copy_(flat[start : start + self.shard_numel])
