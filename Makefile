@@ -17,7 +17,7 @@ endif
 CHAPTERS := 1 2 3 4 5 6 7
 RUNS     := $(addprefix run-,$(CHAPTERS))
 BENCHES  := $(addprefix bench-,$(CHAPTERS))
-.PHONY: setup test test-thorough lint notebooks bench gpu-check clean help $(RUNS) $(BENCHES)
+.PHONY: setup test test-thorough lint notebooks lab bench gpu-check clean help $(RUNS) $(BENCHES)
 
 help:
 	@echo "make test            create .venv, install, run the equivalence suite (CI runs this)"
@@ -25,6 +25,7 @@ help:
 	@echo "make bench-N         chapter N's benchmark against torch's built-in equivalent"
 	@echo "make test-thorough   the suite with many hypothesis examples"
 	@echo "make notebooks       execute every lesson.ipynb in place"
+	@echo "make lab             install JupyterLab into the venv (the 'lab' extra) and open the lessons"
 	@echo "make lint            ruff check"
 	@echo "make gpu-check       every chapter on NCCL + a bf16 throughput/MFU benchmark (CUDA only)"
 
@@ -36,17 +37,29 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
 	touch $@
 
+# --durations=15: the slowest tests, so that a regression shows; the ci profile (default) also
+# prints each chapter's seconds against its budget (tests/conftest.py).
 test: $(SETUP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-thorough: $(SETUP)
-	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q
+	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q --durations=15
 
 lint: $(SETUP)
 	$(PY) -m ruff check .
 
 notebooks: $(SETUP)
 	$(PY) -m common.notebooks --in-place
+
+# JupyterLab is not part of `make test`'s install: the optional extra `lab`, installed on first use.
+LAB_URL ?= /lab/tree/01_data_parallel/lesson.ipynb
+lab: $(VENV)/.lab-installed
+	$(PY) -m jupyterlab --ServerApp.root_dir="$(CURDIR)" --LabApp.default_url=$(LAB_URL) \
+	    $(if $(filter 0,$(shell id -u)),--allow-root)
+
+$(VENV)/.lab-installed: pyproject.toml constraints.txt | $(SETUP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,lab]'
+	touch $@
 
 # run-N: chapter N's train.py under torchrun on NPROC ranks (NCCL on GPUs, gloo on CPU processes).
 $(RUNS): run-%: $(SETUP)

@@ -12,6 +12,12 @@ first iteration). A step is timed from a barrier to the end of the optimizer ste
 counts as the slowest rank's time; the table reports the median over the measured rounds.
 
 Prints a table, then one JSON line: {"chapter": 1, "bench": "data_parallel", ...}.
+
+`--sweep-buckets 0.5,1,4,25` instead times our DDP at each bucket cap, interleaved the same way,
+beside two references that bound it: the same step under `no_sync()` (compute only, nothing
+communicated) and one all-reduce of all P·b gradient bytes (communication only). Without overlap
+a step costs about their sum; with perfect overlap, the larger of the two plus the last bucket's
+all-reduce, which starts only when backward ends. JSON: {"bench": "bucket_sweep", ...}.
 """
 
 from __future__ import annotations
@@ -47,12 +53,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed rounds")
     p.add_argument("--steps", type=int, default=20, help="timed rounds (one step of each strategy)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sweep-buckets", default=None, metavar="MB,MB,…",
+                   help="time our DDP at these bucket caps instead (plus compute-only and comm-only)")
     args = p.parse_args(argv)
     for flag in ("global_batch", "seq_len", "steps", "bucket_mb"):
         if not getattr(args, flag) > 0:
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be positive")
     if args.warmup < 0:
         p.error(f"--warmup {args.warmup}: must be >= 0")
+    if args.sweep_buckets is not None:
+        try:
+            args.sweep_buckets = [float(x) for x in args.sweep_buckets.split(",")]
+        except ValueError:
+            p.error(f"--sweep-buckets {args.sweep_buckets!r}: use comma-separated MiB, e.g. 0.5,1,4,25")
+        if not all(x > 0 for x in args.sweep_buckets):
+            p.error(f"--sweep-buckets {args.sweep_buckets}: every cap must be > 0")
     return args
 
 
@@ -80,6 +95,46 @@ def train_step(dp: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens: to
     optimizer.zero_grad(set_to_none=True)
 
 
+def sweep_buckets(args: argparse.Namespace, ctx, cfg, dtype: torch.dtype, data: SyntheticTokens) -> dict:
+    """Median step seconds (slowest rank) of our DDP per bucket cap, of the same step under
+    no_sync() (compute only), and of one all-reduce of every gradient byte (comm only)."""
+    runs = {}
+    for cap in args.sweep_buckets:
+        model = build_model(cfg, args.seed, dtype, ctx.device)
+        runs[f"{cap:g}"] = (DistributedDataParallel(model, bucket_cap_mb=cap),
+                            make_optimizer(model.parameters(), "adamw", 1e-3))
+    dp, optimizer = runs[f"{args.sweep_buckets[-1]:g}"]
+    flat = torch.zeros(sum(p.numel() for p in dp.module.parameters()), dtype=dtype, device=ctx.device)
+    names = [*runs, "compute only", "comm only"]
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(args.warmup + args.steps):
+        tokens = data.global_batch(r, args.global_batch).to(ctx.device)
+        for k in range(len(names)):
+            name = names[(r + k) % len(names)]
+            dist.barrier()
+            start = time.perf_counter()
+            if name == "comm only":
+                dist.all_reduce(flat)
+            elif name == "compute only":
+                with dp.no_sync():
+                    train_step(dp, optimizer, tokens, ctx.rank, ctx.world_size)
+            else:
+                train_step(*runs[name], tokens, ctx.rank, ctx.world_size)
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize()
+            if r >= args.warmup:
+                times[name].append(time.perf_counter() - start)
+    slowest = torch.tensor([times[n] for n in names], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    median = {n: statistics.median(slowest[i].tolist()) for i, n in enumerate(names)}
+    buckets = {cap: [b.buffer.numel() * b.buffer.element_size() for b in dp_.buckets]
+               for cap, (dp_, _) in runs.items()}
+    return {"chapter": 1, "bench": "bucket_sweep", "model": args.model, "dtype": args.dtype,
+            "world_size": ctx.world_size, "backend": ctx.backend, "global_batch": args.global_batch,
+            "seq_len": args.seq_len, "steps": args.steps, "step_s_median": median,
+            "bucket_bytes": buckets, "grad_bytes": flat.numel() * flat.element_size()}
+
+
 def torch_bucket_count(dp: torch.nn.parallel.DistributedDataParallel) -> int | None:
     """Buckets after torch's rebuild (in the order gradients became ready, at the start of its
     second forward), from its logging data, which lags by one iteration: needs 3 steps run."""
@@ -101,6 +156,15 @@ def main(argv: list[str] | None = None) -> None:
     rank = ctx.rank
     cfg, dtype = get_config(args.model), DTYPES[args.dtype]
     data = SyntheticTokens(cfg.vocab_size, args.seq_len, args.seed)
+    if args.sweep_buckets is not None:
+        result = sweep_buckets(args, ctx, cfg, dtype, data)
+        for name, seconds in result["step_s_median"].items():
+            label = name if not name[0].isdigit() else (f"ddp, {name} MiB cap "
+                                                        f"({len(result['bucket_bytes'][name])} buckets)")
+            print0(f"{label:<32}{1e3 * seconds:>9.1f} ms")
+        print0(json.dumps(result))
+        shutdown()
+        return
 
     runs = {}
     for strategy in STRATEGIES:

@@ -30,9 +30,9 @@ import torch.distributed as dist
 from common.cli import ConfigError, exit_on_config_error, require
 from common.dist import LaunchError, env_world_size, init_distributed, shutdown
 from common.report import human_bytes
-from ring_allreduce.cost_model import TERMS, AlphaBeta, bus_bandwidth, fit
+from ring_allreduce.cost_model import AlphaBeta, bus_bandwidth, fit, naive_terms, ring_terms
 from ring_allreduce.naive import naive_all_reduce
-from ring_allreduce.ring import ring_all_reduce
+from ring_allreduce.ring import SEGMENT_BYTES, ring_all_reduce
 
 ALGORITHMS = {
     "ring": partial(ring_all_reduce, check=False),
@@ -40,6 +40,16 @@ ALGORITHMS = {
     "builtin": lambda tensor, group: dist.all_reduce(tensor, group=group),
 }
 MODEL = {"ring": "ring", "naive": "naive", "builtin": "ring"}  # gloo's own all-reduce is a ring
+# Messages per ring step: ours cuts a chunk into SEGMENT_BYTES segments; gloo's own segmentation is
+# not known here, so the fit charges it one message per step.
+SEGMENTS = {"ring": SEGMENT_BYTES, "naive": None, "builtin": None}
+
+
+def terms(algorithm: str, size_bytes: int, n: int) -> tuple[float, float]:
+    """(messages, bytes) the alpha-beta model charges `algorithm` for one all-reduce."""
+    if MODEL[algorithm] == "ring":
+        return ring_terms(size_bytes, n, SEGMENTS[algorithm])
+    return naive_terms(size_bytes, n)
 UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
 DEFAULT_PLOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bandwidth.png")
 
@@ -136,8 +146,8 @@ def fit_models(rows: list[dict]) -> dict[str, dict[int, AlphaBeta]]:
     models: dict[str, dict[int, AlphaBeta]] = {}
     for a, n in sorted({(r["algorithm"], r["n"]) for r in rows}):
         mine = [r for r in rows if r["algorithm"] == a and r["n"] == n]
-        terms = [TERMS[MODEL[a]](r["size"], n) for r in mine]
-        models.setdefault(a, {})[n] = fit([m for m, _ in terms], [b for _, b in terms],
+        charged = [terms(a, r["size"], n) for r in mine]
+        models.setdefault(a, {})[n] = fit([m for m, _ in charged], [b for _, b in charged],
                                           [r["seconds"] for r in mine])
     return models
 
@@ -179,7 +189,8 @@ def plot(rows: list[dict], models: dict[str, dict[int, AlphaBeta]], path: str) -
             mine = sorted((r["size"], r["busbw"]) for r in rows if r["algorithm"] == a and r["n"] == n)
             sizes = [s for s, _ in mine]
             ax.plot(sizes, [b / 1e9 for _, b in mine], "o-", color=colors.get(a), label=f"{a} (measured)")
-            ax.plot(sizes, [bus_bandwidth(s, n, per_n[n].time(MODEL[a], s, n)) / 1e9 for s in sizes],
+            ax.plot(sizes, [bus_bandwidth(s, n, per_n[n].time(MODEL[a], s, n, SEGMENTS[a])) / 1e9
+                            for s in sizes],
                     "--", color=colors.get(a), alpha=0.6, label=f"{a} (alpha-beta fit)")
         ax.set_xscale("log", base=2)
         ax.set_title(f"n = {n} ranks")
@@ -198,8 +209,8 @@ def report(rows: list[dict], algorithms: list[str], plot_path: str, world_size: 
     models = fit_models(rows)
     print(table(rows, algorithms))
     worlds = sorted({r["n"] for r in rows})
-    print("\nalpha-beta fit, T = messages·alpha + bytes·beta (ring, builtin: 2(n-1) messages, "
-          "2(n-1)/n·S bytes; naive: 2(n-1), 2(n-1)·S), alpha in µs, 1/beta in GB/s:")
+    print("\nalpha-beta fit, T = messages·alpha + bytes·beta (ring: 2(n-1)·⌈S/n/segment⌉ messages, "
+          "builtin: 2(n-1), both 2(n-1)/n·S bytes; naive: 2(n-1), 2(n-1)·S), alpha in µs, 1/beta in GB/s:")
     print(" " * 10 + "".join(f"{'n = ' + str(n):>22}" for n in worlds))
     for a, per_n in models.items():
         print(f"  {a:<8}" + "".join(f"{per_n[n].alpha * 1e6:>10.0f} µs{per_n[n].bandwidth / 1e9:>6.2f} GB/s"

@@ -2,31 +2,37 @@
 
 A message of m bytes costs alpha + m·beta: alpha is the fixed latency of one message (software,
 wake-ups, the network's round trip), beta the seconds per byte (1 / link bandwidth). Counting the
-messages and bytes on the critical path of an all-reduce of S bytes over n ranks:
+messages each rank sends and the bytes on the critical path of an all-reduce of S bytes, n ranks:
 
-    ring   2(n-1) steps of one S/n chunk       T = 2(n-1)·alpha + 2(n-1)/n · S·beta
-    naive  the root receives n-1 whole tensors T = 2(n-1)·alpha + 2(n-1)   · S·beta
+    ring   2(n-1) steps of one S/n chunk, each  T = 2(n-1)·k·alpha + 2(n-1)/n · S·beta
+           as k = ⌈(S/n) / segment⌉ messages
+    naive  the root receives n-1 whole tensors  T = 2(n-1)·alpha   + 2(n-1)   · S·beta
            and then sends n-1 back
 
-Both pay 2(n-1) latencies, so for tiny S they cost the same; for large S the ring's time tends to
-2·S·beta whatever n is, while the naive one grows as (n-1)·2·S·beta. The measured algorithm
-bandwidth is S/T and the bus bandwidth (nccl-tests) busbw = S/T · 2(n-1)/n, which for the ring
-tends to 1/beta: the link's own speed. `fit` finds alpha and beta from measured times by least
-squares on relative error (times span five orders of magnitude, so absolute error would let the
+ring.py pipelines its segments, so part of those 2(n-1)·k latencies overlap (the critical path
+holds about 2(n-1) + k - 1 of them); the model charges every message, an upper bound. Both pay
+2(n-1) latencies for a tensor that fits one segment, so for tiny S they cost the same; for large S
+the ring's time tends to 2·S·beta whatever n is, while the naive one grows as (n-1)·2·S·beta.
+The measured algorithm bandwidth is S/T and the bus bandwidth (nccl-tests) busbw = S/T · 2(n-1)/n,
+which for the ring tends to 1/beta: the link's own speed. `fit` finds alpha and beta from measured
+times by least squares on relative error (times span five orders of magnitude, so absolute error would let the
 largest sizes decide alone). Depends only on numpy.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 
-def ring_terms(size_bytes: float, n: int) -> tuple[float, float]:
-    """(messages, bytes) on the ring's critical path: 2(n-1) and 2(n-1)/n · S."""
-    return 2.0 * (n - 1), 2.0 * (n - 1) / n * size_bytes
+def ring_terms(size_bytes: float, n: int, segment_bytes: float | None = None) -> tuple[float, float]:
+    """(messages, bytes) of the ring: 2(n-1)·⌈(S/n)/segment⌉ and 2(n-1)/n · S (one message per
+    step when `segment_bytes` is None, e.g. for a ring whose segmentation is unknown)."""
+    per_step = 1 if segment_bytes is None else max(1, math.ceil(size_bytes / n / segment_bytes))
+    return 2.0 * (n - 1) * per_step, 2.0 * (n - 1) / n * size_bytes
 
 
 def naive_terms(size_bytes: float, n: int) -> tuple[float, float]:
@@ -47,8 +53,9 @@ class AlphaBeta:
     alpha: float  # seconds per message
     beta: float  # seconds per byte
 
-    def time(self, algorithm: str, size_bytes: float, n: int) -> float:
-        messages, nbytes = TERMS[algorithm](size_bytes, n)
+    def time(self, algorithm: str, size_bytes: float, n: int, segment_bytes: float | None = None) -> float:
+        messages, nbytes = (ring_terms(size_bytes, n, segment_bytes) if algorithm == "ring"
+                            else TERMS[algorithm](size_bytes, n))
         return messages * self.alpha + nbytes * self.beta
 
     @property

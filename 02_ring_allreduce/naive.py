@@ -15,17 +15,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .ring import (
-    _FOLD,
+from .agreement import (
     AVG,
     FAILED,
     SUM,
     CompletedWork,
     call_signature,
+    check_message,
     raise_unless_all_agree,
     validate,
     wire_device,
 )
+from .ring import _FOLD
 
 
 def naive_bytes_sent(size_bytes: int, rank: int, n: int, root: int = 0) -> int:
@@ -35,11 +36,12 @@ def naive_bytes_sent(size_bytes: int, rank: int, n: int, root: int = 0) -> int:
     return (n - 1) * size_bytes if rank == root else size_bytes
 
 
-def _check_same_call(signature: int, device: torch.device, group, rank: int, peers: list[int],
-                     root_global: int) -> None:
-    """Everyone sends the root its 16-byte [signature, -signature]; the root sends back the MAX over
-    all of them, so that every rank raises together if any rank's call is bad or differs."""
-    mine = torch.tensor([signature, -signature], dtype=torch.int64, device=device)
+def _check_same_call(signature: int, root: int, device: torch.device, group, rank: int,
+                     peers: list[int], root_global: int) -> None:
+    """Everyone sends the root its 32-byte check message (agreement.py; the setting slot carries
+    the root); the root sends back the elementwise MAX over all of them, so that every rank raises
+    together if any rank's call is bad or differs."""
+    mine = check_message(signature, root, device)
     extremes = mine.clone()
     if peers:  # this is the root
         heard = torch.empty_like(mine)
@@ -51,8 +53,8 @@ def _check_same_call(signature: int, device: torch.device, group, rank: int, pee
     else:
         dist.send(mine, root_global, group=group)
         dist.recv(extremes, root_global, group=group)
-    raise_unless_all_agree(signature, int(extremes[0]), -int(extremes[1]), f"group rank {rank}",
-                           "naive_all_reduce")
+    high, low = tuple(extremes[:2].tolist()), tuple((-extremes[2:]).tolist())
+    raise_unless_all_agree((signature, root), high, low, f"group rank {rank}", "naive_all_reduce", "root")
 
 
 @torch.no_grad()
@@ -77,7 +79,8 @@ def naive_all_reduce(tensor: torch.Tensor, op=SUM, group=None, async_op: bool = 
     except (TypeError, ValueError) as local_error:
         signature, error = FAILED, local_error
     if check and n > 1:
-        _check_same_call(signature, wire_device(group, tensor), group, rank, peers, root_global)
+        _check_same_call(signature, root if error is None else 0, wire_device(group, tensor), group,
+                         rank, peers, root_global)
     if error is not None:
         raise error
     flat = tensor.view(-1)

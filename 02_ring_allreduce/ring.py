@@ -14,28 +14,32 @@ L//n + (1 if i < L%n else 0) elements, as `torch.tensor_split` cuts it):
 
     bytes_r = 2(n-1)/n · S        (S = L · element size; exactly (L - c_r) + (L - c_{r+1}) elements)
 
-which stays below 2S whatever n is: more ranks add steps (latency), not traffic per rank. That is
-why the ring is called bandwidth-optimal. Same call shape as `dist.all_reduce(tensor, op, group)`.
+which stays below 2S whatever n is: more ranks add steps (latency), not traffic per rank. Among
+algorithms built from point-to-point messages no all-reduce sends less (in-network reduction,
+NVLink SHARP, is not one of them). Same call shape as `dist.all_reduce(tensor, op, group)`.
 
-Pipelining: a chunk travels as segments of at most `segment_bytes`, and a segment moves on as soon
-as it has arrived (and, in the reduce-scatter, been folded in), without waiting for the rest of its
-chunk: the steps overlap like a bucket brigade, and folding one segment overlaps the transfer of the
-next. A chunk that fits in one segment is one message, so a small tensor costs 2(n-1) messages.
+Pipelining: a chunk travels as segments of at most `segment_bytes`, 2(n-1)·⌈chunk/segment⌉
+messages in all, and a segment moves on as soon as it has arrived (and, in the reduce-scatter,
+been folded in), without waiting for the rest of its chunk: the steps overlap like a bucket
+brigade, and folding one segment overlaps the transfer of the next.
 
 Choices, each tested:
+* Each exchange, one segment to the right and one from the left, is issued as one group with
+  `dist.batch_isend_irecv`: NCCL needs a send and a receive that must progress together in one
+  group (with n = 2 the left and right neighbours are the same peer, and two ungrouped calls on
+  one communicator could each wait for the other). gloo runs the pair as two calls, as before.
 * AVG never travels on the wire (gloo on torch 2.5-2.8 mishandles it): SUM, then divide by n.
   AVG of an integer tensor raises, as torch's own gloo all_reduce does.
-* `check=True` (the default) first passes a 16-byte signature (length, dtype, op; or "my own
-  arguments are wrong") n-1 hops round the ring, so that every rank knows whether all agree before
-  any data moves: a mismatch, or a bad argument on one rank only, is then an error on every rank
-  instead of a crashed peer (gloo aborts the process on a size mismatch) or a hang. It costs n-1
-  extra messages and 16·(n-1) bytes per rank, which the comm meter shows. Without it a local
-  fault raises at once, before any communication, on the rank that has it.
-* A received segment lands in a scratch buffer that no pending operation references (two of them,
-  alternating: the next segment arrives in one while the other is folded; a buffer is reused only
-  after its segment was folded), and is folded into our chunk after the receive completed. The
-  all-gather receives straight into the chunk's final place, which nothing reads or sends until
-  that receive has completed.
+* `check=True` (the default) first passes the 32-byte call signature of agreement.py (length,
+  dtype, op, segment_bytes; or "my own arguments are wrong") n-1 hops round the ring, so that
+  every rank knows whether all agree before any data moves: a mismatch, or a bad argument on one
+  rank only, is then an error on every rank instead of a crashed peer or a hang. It costs n-1
+  messages and 32·(n-1) bytes per rank, which the comm meter shows. `CheckOncePerShape` runs it
+  only on the first call of each shape (DDP's fixed buckets).
+* A received segment lands in a scratch buffer that no pending operation references (`WINDOW` of
+  them, in turn; one is reused only after its segment was folded), and is folded into our chunk
+  after the receive completed. The all-gather receives straight into the chunk's final place,
+  which nothing reads or sends until that receive has completed.
 * The ring runs synchronously; `async_op=True` returns an already-completed handle, so a DDP that
   uses it does not overlap communication with backward.
 """
@@ -45,18 +49,31 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
-SUM, AVG, MAX, MIN, PRODUCT = (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX,
-                               dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT)
-OP_NAMES = {SUM: "SUM", AVG: "AVG", MAX: "MAX", MIN: "MIN", PRODUCT: "PRODUCT"}
-# The dtypes that gloo and NCCL both reduce; int16, bool and complex are rejected up front.
-SUPPORTED_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16,
-                    torch.int64, torch.int32, torch.int8, torch.uint8)
+from .agreement import (
+    AVG,
+    FAILED,
+    MAX,
+    MIN,
+    PRODUCT,
+    SUM,
+    CompletedWork,
+    call_signature,
+    check_message,
+    raise_unless_all_agree,
+    validate,
+    wire_device,
+)
+from .agreement import OP_NAMES as OP_NAMES  # re-exported: the ring's callers import them from here
+from .agreement import SUPPORTED_DTYPES as SUPPORTED_DTYPES
+from .agreement import CheckOncePerShape as CheckOncePerShape
+
 SEGMENT_BYTES = 2 << 20  # pipelining granularity: a chunk travels as segments of at most this
-WINDOW = 2  # reduce-scatter segments in flight per rank: two scratch buffers, alternating
+WINDOW = 2  # exchanges in flight per rank: two scratch buffers, alternating
 
 # How each op folds a received partial chunk with our local copy: fn(received, local, out=...).
 _FOLD = {SUM: torch.add, MAX: torch.maximum, MIN: torch.minimum, PRODUCT: torch.mul}
@@ -104,45 +121,10 @@ def ring_traffic(length: int, element_size: int, rank: int, n: int, phase: str =
     return (sum(sent[phase]) * element_size, sum(segment_count(c, segment) for c in sent[phase]))
 
 
-# ---------------------------------------------------------------- checks before communicating
-
-def validate(tensor: torch.Tensor, op=SUM, name: str = "tensor"):
-    """The local checks every rank makes before it sends anything; returns the op as one of
-    OP_NAMES' keys."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype not in SUPPORTED_DTYPES:
-        hint = {torch.bool: "cast it to torch.uint8 (then MAX is any, MIN is all)",
-                torch.int16: "cast it to torch.int32"}.get(
-            tensor.dtype, "view a complex tensor as real with torch.view_as_real (SUM/AVG only)")
-        raise TypeError(f"{name} has dtype {tensor.dtype}, which gloo and NCCL cannot both reduce: "
-                        f"{hint}. Supported: {', '.join(str(d) for d in SUPPORTED_DTYPES)}")
-    matches = [known for known in OP_NAMES if op is known or _same_op(op, known)]
-    if not matches:
-        raise ValueError(f"op={op!r} is not supported: use dist.ReduceOp."
-                         f"{', dist.ReduceOp.'.join(OP_NAMES.values())}")
-    op = matches[0]
-    if op == AVG and not tensor.is_floating_point():
-        raise TypeError(f"op=AVG of an integer tensor ({tensor.dtype}) is ambiguous (floor or true "
-                        "division?), and torch's own gloo all_reduce rejects it: use SUM and divide "
-                        "as you mean to")
-    if not tensor.is_contiguous():
-        raise ValueError(f"{name} is not contiguous (shape {tuple(tensor.shape)}, strides "
-                         f"{tensor.stride()}): pass t.contiguous() and copy the result back")
-    return op
-
-
-def _same_op(op, known) -> bool:
-    try:
-        return bool(op == known)
-    except (TypeError, ValueError):
-        return False
-
-
 @dataclass(frozen=True)
 class Ring:
     """This rank's place in the ring of `group`: group rank, size, and the global ranks of its
-    neighbours (isend/irecv address peers by global rank on every torch from 2.6 on)."""
+    neighbours (P2P ops address peers by global rank on every torch from 2.6 on)."""
 
     rank: int
     size: int
@@ -160,11 +142,11 @@ class Ring:
         return cls(rank, size, dist.get_global_rank(group, (rank + 1) % size),
                    dist.get_global_rank(group, (rank - 1) % size), group)
 
-    def send(self, t: torch.Tensor):
-        return dist.isend(t, self.right, group=self.group)
-
-    def recv(self, t: torch.Tensor):
-        return dist.irecv(t, self.left, group=self.group)
+    def exchange(self, send: torch.Tensor | None, recv: torch.Tensor | None) -> list:
+        """Send `send` to the right and receive `recv` from the left, as one group."""
+        ops = ([dist.P2POp(dist.isend, send, self.right, self.group)] if send is not None else []) + (
+            [dist.P2POp(dist.irecv, recv, self.left, self.group)] if recv is not None else [])
+        return dist.batch_isend_irecv(ops) if ops else []
 
 
 def _wait(works, ring: Ring, what: str) -> None:
@@ -180,82 +162,40 @@ def _wait(works, ring: Ring, what: str) -> None:
             f"the same tensor size (check=True verifies that up front)? Cause: {error}") from error
 
 
-FAILED = -1  # the signature of a rank whose own checks failed
-
-
-def call_signature(tensor: torch.Tensor, op) -> int:
-    """A number >= 0 encoding (length, dtype, op): equal on all ranks iff their calls agree."""
-    op_index = list(OP_NAMES).index(op) + 1 if op is not None else 0
-    return (tensor.numel() * 16 + SUPPORTED_DTYPES.index(tensor.dtype)) * 8 + op_index
-
-
-def _describe(signature: int) -> str:
-    length, rest = divmod(signature, 128)
-    dtype, op = divmod(rest, 8)
-    return f"length {length}, {SUPPORTED_DTYPES[dtype]}, op {(['-', *OP_NAMES.values()])[op]}"
-
-
-def raise_unless_all_agree(mine: int, high: int, low: int, who: str, what: str) -> None:
-    """Given the group's highest and lowest signatures, raise unless every rank sent `mine`.
-    (A rank that sent FAILED raises its own error; this tells the others why they stop.)"""
-    if mine == FAILED:
-        return
-    if low == FAILED:
-        raise ValueError(f"{what}: another rank of the group rejected its arguments (its own error "
-                         f"says why), so {who} stops too, before any data moved")
-    if high != low:
-        raise ValueError(
-            f"{what}: the ranks of the group disagree on the call. {who} has {_describe(mine)}; "
-            f"across the group the calls range from ({_describe(low)}) to ({_describe(high)}). "
-            "Every rank must pass a tensor of the same length and dtype, and the same op")
-
-
-def wire_device(group, tensor) -> torch.device:
-    """Where the 16-byte check message lives: the tensor's device, or NCCL's current GPU."""
-    if isinstance(tensor, torch.Tensor):
-        return tensor.device
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def check_same_call(ring: Ring, signature: int, device: torch.device, what: str) -> None:
-    """Pass the running [max, -min] of the ranks' signatures n-1 hops round the ring (16 bytes a
-    hop): after hop k a rank has heard from the k ranks on its left, so after n-1 hops every rank
-    knows whether all agree, and they all raise together if not."""
-    extremes = torch.tensor([signature, -signature], dtype=torch.int64, device=device)
+def check_same_call(ring: Ring, signature: int, setting: int, device: torch.device, what: str,
+                    setting_name: str = "segment_bytes") -> None:
+    """Pass the running elementwise max of the ranks' check messages n-1 hops round the ring (32
+    bytes a hop): after hop k a rank has heard from the k ranks on its left, so after n-1 hops
+    every rank knows whether all agree, and they all raise together if not."""
+    extremes = check_message(signature, setting, device)
     for _ in range(ring.size - 1):
         heard = torch.empty_like(extremes)
-        _wait([ring.send(extremes), ring.recv(heard)], ring, f"{what} (call check)")
+        _wait(ring.exchange(extremes, heard), ring, f"{what} (call check)")
         extremes = torch.maximum(extremes, heard)
-    raise_unless_all_agree(signature, int(extremes[0]), -int(extremes[1]),
-                           f"group rank {ring.rank}", what)
+    high, low = extremes[:2].tolist(), (-extremes[2:]).tolist()
+    raise_unless_all_agree((signature, setting), tuple(high), tuple(low), f"group rank {ring.rank}",
+                           what, setting_name)
 
 
-def agree(ring: Ring, check: bool, what: str, local_checks: Callable[[], tuple[torch.Tensor, object]]):
+def agree(ring: Ring, check: bool, what: str, local_checks: Callable[[], tuple[torch.Tensor, object]],
+          segment_bytes: int):
     """Run this rank's own checks (`local_checks` returns the tensor that defines the call and the
-    op); with `check`, then agree with the group, so that a fault on any rank, local or a mismatch,
-    stops every rank with a clear error before any data moves. Returns the op."""
+    op); with `check`, then agree with the group on (length, dtype, op, segment_bytes), so that a
+    fault on any rank, local or a mismatch, stops every rank with a clear error before any data
+    moves. Returns the op."""
     try:
+        if not (isinstance(segment_bytes, int) and segment_bytes >= 1):
+            raise ValueError(f"segment_bytes={segment_bytes!r}: must be a positive int (bytes)")
         tensor, op = local_checks()
         signature, error = call_signature(tensor, op), None
     except (TypeError, ValueError) as local_error:
         tensor, op, signature, error = None, None, FAILED, local_error
     if check and ring.size > 1:
-        check_same_call(ring, signature, wire_device(ring.group, tensor), what)
+        check_same_call(ring, signature, segment_bytes if error is None else 0,
+                        wire_device(ring.group, tensor), what)
     if error is not None:
         raise error
     return op
-
-
-class CompletedWork:
-    """What `async_op=True` returns: the ring already ran, so `wait()` returns at once."""
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
 
 
 # ---------------------------------------------------------------- the two phases
@@ -265,57 +205,89 @@ def segments(t: torch.Tensor, segment_elements: int) -> list[torch.Tensor]:
     return list(t.split(segment_elements)) if t.numel() else [t]
 
 
-def _reduce_scatter_phase(ring: Ring, local: list[torch.Tensor], partial: list[torch.Tensor], op,
+@dataclass
+class Exchange:
+    """One grouped step of a phase: `send` to the right, `recv` from the left (either may be
+    None); `then` runs once both completed. `needs`: the exchange whose receive brings the data
+    that `send` sends (-1: none)."""
+
+    send: torch.Tensor | None
+    recv: torch.Tensor | None
+    then: Callable[[], object] | None
+    needs: int
+    label: str
+
+
+def run_exchanges(ring: Ring, exchanges: list[Exchange], window: int) -> None:
+    """Issue the exchanges in order, at most `window` in flight, completing them in order; an
+    exchange is issued only once the one it `needs` has completed (and been folded)."""
+    in_flight: deque = deque()
+
+    def complete() -> None:
+        exchange, works = in_flight.popleft()
+        _wait(works, ring, exchange.label)
+        if exchange.then is not None:
+            exchange.then()
+
+    for j, exchange in enumerate(exchanges):
+        while j - len(in_flight) <= max(exchange.needs, j - window):  # j - len: done so far
+            complete()
+        in_flight.append((exchange, ring.exchange(exchange.send, exchange.recv)))
+    while in_flight:
+        complete()
+
+
+def _reduce_scatter_phase(ring: Ring, local: list[torch.Tensor], partials: list[torch.Tensor], op,
                           segment_bytes: int, window: int = WINDOW) -> None:
     """n-1 steps. At step s the chunk arriving from the left is folded with our `local` copy into
-    `partial[s]`, which travels on at step s+1; `partial[n-2]` ends as chunk `ring.rank` reduced
+    `partials[s]`, which travels on at step s+1; `partials[n-2]` ends as chunk `ring.rank` reduced
     over all ranks (divided by n for AVG). Segment by segment, at most `window` in flight."""
     n, r = ring.size, ring.rank
     segment = max(1, segment_bytes // local[0].element_size())
     fold = _FOLD[SUM if op == AVG else op]
-    # What arrives from the left, in order: (step, our local piece, where the fold goes).
-    arrivals = [(step, local_piece, partial_piece)
-                for step in range(n - 1)
-                for local_piece, partial_piece in zip(
-                    segments(local[reduce_scatter_chunks(r, step, n)[1]], segment),
-                    segments(partial[step], segment), strict=True)]
     scratch = [torch.empty(min(segment, max(c.numel() for c in local)), dtype=local[0].dtype,
-                           device=local[0].device) for _ in range(min(window, len(arrivals)))]
-
-    def post_recv(i: int):
-        buffer = scratch[i % len(scratch)][: arrivals[i][1].numel()]
-        return buffer, ring.recv(buffer)
-
-    what = "ring reduce-scatter"
-    sends = [ring.send(piece) for piece in segments(local[reduce_scatter_chunks(r, 0, n)[0]], segment)]
-    in_flight = deque(post_recv(i) for i in range(len(scratch)))
-    for i, (step, local_piece, partial_piece) in enumerate(arrivals):
-        buffer, work = in_flight.popleft()
-        _wait([work], ring, f"{what} step {step + 1}/{n - 1}")
-        fold(buffer, local_piece, out=partial_piece)  # partial reduction over ranks c+1 … r
-        if step < n - 2:
-            sends.append(ring.send(partial_piece))  # … travels on at the next step
-        if i + len(scratch) < len(arrivals):
-            in_flight.append(post_recv(i + len(scratch)))  # reuses the buffer just folded
-    _wait(sends, ring, what)
+                           device=local[0].device) for _ in range(window)]
+    exchanges: list[Exchange] = []
+    arrived: dict[tuple[int, int], int] = {}  # (step, segment) → the exchange that received it
+    for step in range(n - 1):
+        sends = segments(local[reduce_scatter_chunks(r, 0, n)[0]] if step == 0 else partials[step - 1],
+                         segment)
+        folds = list(zip(segments(local[reduce_scatter_chunks(r, step, n)[1]], segment),
+                         segments(partials[step], segment), strict=True))
+        for k in range(max(len(sends), len(folds))):
+            j, recv, then = len(exchanges), None, None
+            if k < len(folds):  # fold what arrived with our piece: the partial over ranks c+1 … r
+                local_piece, partial_piece = folds[k]
+                recv = scratch[j % window][: local_piece.numel()]
+                then = partial(fold, recv, local_piece, out=partial_piece)
+                arrived[step, k] = j
+            exchanges.append(Exchange(sends[k] if k < len(sends) else None, recv, then,
+                                      arrived.get((step - 1, k), -1) if k < len(sends) else -1,
+                                      f"ring reduce-scatter step {step + 1}/{n - 1}"))
+    run_exchanges(ring, exchanges, window)
     if op == AVG:
-        partial[-1].div_(n)
+        partials[-1].div_(n)
 
 
-def _all_gather_phase(ring: Ring, chunks: list[torch.Tensor], segment_bytes: int) -> None:
-    """n-1 steps; `chunks[ring.rank]` must be complete, afterwards every chunk is. Every receive
-    is posted at once, straight into the chunk's final place, and forwarded as it lands."""
+def _all_gather_phase(ring: Ring, chunks: list[torch.Tensor], segment_bytes: int,
+                      window: int = WINDOW) -> None:
+    """n-1 steps; `chunks[ring.rank]` must be complete, afterwards every chunk is. Each segment is
+    received straight into its chunk's final place and forwarded at the next step."""
     n, r = ring.size, ring.rank
     segment = max(1, segment_bytes // chunks[0].element_size())
-    arrivals = [(step, piece) for step in range(n - 1)
-                for piece in segments(chunks[all_gather_chunks(r, step, n)[1]], segment)]
-    sends = [ring.send(piece) for piece in segments(chunks[all_gather_chunks(r, 0, n)[0]], segment)]
-    receives = [ring.recv(piece) for _, piece in arrivals]
-    for (step, piece), work in zip(arrivals, receives, strict=True):
-        _wait([work], ring, f"ring all-gather step {step + 1}/{n - 1}")
-        if step < n - 2:
-            sends.append(ring.send(piece))  # the chunk we received at step s is sent at step s+1
-    _wait(sends, ring, "ring all-gather")
+    exchanges: list[Exchange] = []
+    arrived: dict[tuple[int, int], int] = {}  # (step, segment) → the exchange that received it
+    for step in range(n - 1):
+        sends = segments(chunks[all_gather_chunks(r, step, n)[0]], segment)
+        recvs = segments(chunks[all_gather_chunks(r, step, n)[1]], segment)
+        for k in range(max(len(sends), len(recvs))):
+            if k < len(recvs):
+                arrived[step, k] = len(exchanges)
+            exchanges.append(Exchange(sends[k] if k < len(sends) else None,
+                                      recvs[k] if k < len(recvs) else None, None,
+                                      arrived.get((step - 1, k), -1) if k < len(sends) else -1,
+                                      f"ring all-gather step {step + 1}/{n - 1}"))
+    run_exchanges(ring, exchanges, window)
 
 
 # ---------------------------------------------------------------- the collectives
@@ -324,15 +296,15 @@ def _all_gather_phase(ring: Ring, chunks: list[torch.Tensor], segment_bytes: int
 def ring_all_reduce(tensor: torch.Tensor, op=SUM, group=None, async_op: bool = False,
                     check: bool = True, segment_bytes: int = SEGMENT_BYTES) -> CompletedWork | None:
     """In place, like `dist.all_reduce`: every rank ends with op over the ranks' tensors.
-    Each rank sends 2(n-1)/n · S bytes in 2(n-1) steps (+ n-1 messages of 16 bytes with `check`).
+    Each rank sends 2(n-1)/n · S bytes in 2(n-1) steps (+ n-1 messages of 32 bytes with `check`).
     The reduce-scatter folds each arriving chunk into the tensor's own copy, which travels on."""
     ring = Ring.of(group)
-    op = agree(ring, check, "ring_all_reduce", lambda: (tensor, validate(tensor, op)))
+    op = agree(ring, check, "ring_all_reduce", lambda: (tensor, validate(tensor, op)), segment_bytes)
     flat, n, r = tensor.view(-1), ring.size, ring.rank
     if n > 1:  # with one rank, SUM, AVG, MAX, MIN and PRODUCT of the tensor are the tensor
         chunks = list(flat.split(chunk_sizes(flat.numel(), n)))
-        partial = [chunks[reduce_scatter_chunks(r, step, n)[1]] for step in range(n - 1)]
-        _reduce_scatter_phase(ring, chunks, partial, op, segment_bytes)  # ends in chunks[r]
+        partials = [chunks[reduce_scatter_chunks(r, step, n)[1]] for step in range(n - 1)]
+        _reduce_scatter_phase(ring, chunks, partials, op, segment_bytes)  # ends in chunks[r]
         _all_gather_phase(ring, chunks, segment_bytes)
     return CompletedWork() if async_op else None
 
@@ -363,15 +335,15 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, op=SUM, group
         _check_chunk(output, input, ring, "output", "input")
         return input, checked
 
-    op = agree(ring, check, "ring_reduce_scatter", local_checks)
+    op = agree(ring, check, "ring_reduce_scatter", local_checks, segment_bytes)
     flat, n, r = input.view(-1), ring.size, ring.rank
     sizes = chunk_sizes(flat.numel(), n)
     if n == 1:
         output.view(-1).copy_(flat)
     else:
-        partial = [torch.empty(sizes[reduce_scatter_chunks(r, step, n)[1]], dtype=flat.dtype,
-                               device=flat.device) for step in range(n - 2)] + [output.view(-1)]
-        _reduce_scatter_phase(ring, list(flat.split(sizes)), partial, op, segment_bytes)
+        partials = [torch.empty(sizes[reduce_scatter_chunks(r, step, n)[1]], dtype=flat.dtype,
+                                device=flat.device) for step in range(n - 2)] + [output.view(-1)]
+        _reduce_scatter_phase(ring, list(flat.split(sizes)), partials, op, segment_bytes)
     return CompletedWork() if async_op else None
 
 
@@ -389,10 +361,11 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async
         _check_chunk(input, output, ring, "input", "output")
         return output, None
 
-    agree(ring, check, "ring_all_gather", local_checks)
+    agree(ring, check, "ring_all_gather", local_checks, segment_bytes)
     flat, n, r = output.view(-1), ring.size, ring.rank
     chunks = list(flat.split(chunk_sizes(flat.numel(), n)))
     chunks[r].copy_(input.view(-1))
     if n > 1:
         _all_gather_phase(ring, chunks, segment_bytes)
     return CompletedWork() if async_op else None
+

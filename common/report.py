@@ -10,8 +10,20 @@ REPORT_KEYS = (
     "chapter", "strategy", "world_size", "mesh", "backend", "device", "dtype", "mixed_precision",
     "steps", "losses", "reference_losses", "max_loss_diff", "max_grad_diff", "max_param_diff",
     "tolerance", "teacher_forced", "free_running", "check_passed", "tokens_per_s", "comm",
-    "comm_bytes_per_rank", "comm_bytes_formula", "memory", "memory_formula",
+    "comm_bytes_per_rank", "comm_bytes_formula", "comm_convention", "comm_observed_lo_bytes",
+    "comm_observed_lo_noise_bytes", "comm_written_bytes", "memory", "memory_formula",
 )
+P2P_OPS = ("send", "isend", "recv", "irecv")
+
+
+def comm_convention(comm: dict) -> str:
+    """How the meter's figure was obtained: collectives are *accounted* by nccl-tests' convention
+    (2(n-1)/n·S for an all-reduce, whatever the algorithm); point-to-point sends are counted as
+    *sent*. Neither is observed on the wire (common/wire.py observes, on gloo)."""
+    p2p = [op for op in comm if op in P2P_OPS]
+    if p2p and len(p2p) == len(comm):
+        return "sent (P2P)"
+    return "accounted + sent (P2P)" if p2p else "accounted (nccl-tests)"
 
 
 def human_bytes(n: float | None) -> str:
@@ -30,6 +42,9 @@ def _ratio(measured: float | None, formula: float | None) -> str:
     return f"{measured / formula:.4f}"
 
 
+W = 30  # the label column
+
+
 def summary_table(report: dict) -> str:
     mesh = " × ".join(f"{k}={v}" for k, v in report["mesh"].items())
     losses = report["losses"]
@@ -38,15 +53,26 @@ def summary_table(report: dict) -> str:
         f"chapter {report['chapter']} · {report['strategy']} · {mesh} · {report['backend']} on "
         f"{report['device']} · {precision} · {report['steps']} steps",
         f"loss {losses[0]:.4f} → {losses[-1]:.4f} · {report['tokens_per_s']:.0f} tokens/s",
-        f"{'per rank':<22}{'measured':>14}{'formula':>14}{'ratio':>9}",
-        f"{'comm (accounted)':<22}{human_bytes(report['comm_bytes_per_rank']):>14}"
-        f"{human_bytes(report['comm_bytes_formula']):>14}"
+        f"{'per rank':<{W}}{'measured':>14}{'formula':>14}{'ratio':>9}",
+        f"{'comm ' + report.get('comm_convention', 'accounted (nccl-tests)'):<{W}}"
+        f"{human_bytes(report['comm_bytes_per_rank']):>14}{human_bytes(report['comm_bytes_formula']):>14}"
         f"{_ratio(report['comm_bytes_per_rank'], report['comm_bytes_formula']):>9}",
     ]
+    for key, label in (("comm_observed_lo_bytes", "comm observed on lo"),
+                       ("comm_written_bytes", "comm written (wchar)")):
+        if report.get(key) is not None:
+            lines.append(f"{label:<{W}}{human_bytes(report[key]):>14}"
+                         f"{human_bytes(report['comm_bytes_formula']):>14}"
+                         f"{_ratio(report[key], report['comm_bytes_formula']):>9}")
     for key, value in report["memory"].items():
         formula = report["memory_formula"].get(key)
-        lines.append(f"{'memory ' + key:<22}{human_bytes(value):>14}{human_bytes(formula):>14}"
+        lines.append(f"{'memory ' + key:<{W}}{human_bytes(value):>14}{human_bytes(formula):>14}"
                      f"{_ratio(value, formula):>9}")
+    if report.get("comm_observed_lo_bytes") is not None:
+        noise = report.get("comm_observed_lo_noise_bytes")
+        lines.append(f"  lo: the machine's loopback bytes ÷ local ranks, incl. TCP/IP headers, gloo "
+                     f"framing, barriers and other processes (background before training × time: "
+                     f"{human_bytes(noise)})")
     if report.get("reference_losses") is not None:
         verdict = "PASS" if report["check_passed"] else "FAIL"
         lines.append(

@@ -23,6 +23,7 @@ import argparse
 import os
 import sys
 import time
+import zlib
 from collections.abc import Callable
 
 import torch
@@ -35,7 +36,8 @@ from common.data import ByteCorpus, SyntheticTokens, local_micro_batches
 from common.dist import DistContext, LaunchError, env_world_size, init_distributed, seed_everything, shutdown
 from common.memory import ActivationMeter, cuda_peak_bytes, model_state_bytes
 from common.reference import LockstepReference
-from common.report import emit_report
+from common.report import comm_convention, emit_report
+from common.wire import WireMeter
 
 
 class Strategy:
@@ -49,6 +51,7 @@ class Strategy:
     mesh: dict[str, int]
     dp_rank: int = 0
     dp_size: int = 1
+    start_step: int = 0  # > 0 when the strategy resumed from a checkpoint
     model: nn.Module
     optimizer: torch.optim.Optimizer | None = None
 
@@ -91,6 +94,10 @@ class Strategy:
         """Chapter-specific keys for the report (e.g. bubble_fraction)."""
         return {}
 
+    def after_step(self, done: int) -> None:
+        """Called on every rank after `done` steps, outside the timing and the meter (e.g. to
+        save a checkpoint)."""
+
 
 def rank_micro_batches(strategy: Strategy, tokens: torch.Tensor, micro_batch: int,
                        device: torch.device) -> list[torch.Tensor]:
@@ -99,10 +106,23 @@ def rank_micro_batches(strategy: Strategy, tokens: torch.Tensor, micro_batch: in
             local_micro_batches(tokens, strategy.dp_rank, strategy.dp_size, micro_batch)]
 
 
-def make_data(args: argparse.Namespace):
+def make_data(args: argparse.Namespace, device: torch.device | None = None):
+    """The token source. A byte corpus is read by every rank on its own, so (with a process
+    group) the ranks compare a checksum of what they read: a file edited while the job started
+    would otherwise give the ranks different data, silently."""
     vocab = model_config(args).vocab_size
-    return (SyntheticTokens(vocab, args.seq_len, args.seed) if args.data == "synthetic"
-            else ByteCorpus(args.seq_len, args.seed, args.data))
+    if args.data == "synthetic":
+        return SyntheticTokens(vocab, args.seq_len, args.seed)
+    corpus = ByteCorpus(args.seq_len, args.seed, args.data)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        digest = zlib.crc32(corpus.data.to(torch.uint8).numpy().tobytes())
+        ends = torch.tensor([digest, -digest, len(corpus.data), -len(corpus.data)],
+                            dtype=torch.int64, device=device)
+        dist.all_reduce(ends, op=dist.ReduceOp.MAX)
+        if ends[0] != -ends[1] or ends[2] != -ends[3]:
+            raise RuntimeError(f"the ranks read different corpora from --data {args.data or '(repo)'}: "
+                               "a file changed while the job started; rerun, or pass a fixed --data FILE")
+    return corpus
 
 
 def global_loss(local_losses: list[float | None], device: torch.device) -> list[float]:
@@ -121,9 +141,10 @@ class ProgressLog:
     Every rank calls it (the loss of a logged step takes one small all-reduce, outside the meter
     and the timing)."""
 
-    def __init__(self, steps: int, tokens_per_step: int, every: int, device: torch.device):
+    def __init__(self, steps: int, tokens_per_step: int, every: int, device: torch.device,
+                 first_step: int = 0):
         self.steps, self.tokens_per_step, self.every, self.device = steps, tokens_per_step, every, device
-        self.start = time.perf_counter()
+        self.first_step, self.start = first_step, time.perf_counter()
 
     def __call__(self, step: int, loss: float | None) -> None:
         done = step + 1
@@ -132,10 +153,10 @@ class ProgressLog:
         loss = global_loss([loss], self.device)[0]
         if dist.get_rank() != 0:
             return
-        elapsed = time.perf_counter() - self.start
-        eta = elapsed / done * (self.steps - done)
+        elapsed, ran = time.perf_counter() - self.start, done - self.first_step
+        eta = elapsed / ran * (self.steps - done)
         print(f"step {done:>{len(str(self.steps))}}/{self.steps}  loss {loss:.4f}  "
-              f"{done * self.tokens_per_step / elapsed:,.0f} tokens/s  "
+              f"{ran * self.tokens_per_step / elapsed:,.0f} tokens/s  "
               f"elapsed {elapsed:.1f}s  eta {eta:.1f}s", flush=True)
 
 
@@ -144,29 +165,36 @@ def train(args: argparse.Namespace, ctx: DistContext, strategy: Strategy, layout
     """Train `strategy` for args.steps steps; return the run report (with --check, the verdict
     too, the same on every rank)."""
     seed_everything(args.seed)
-    data, cfg = make_data(args), model_config(args)
+    data, cfg = make_data(args, ctx.device), model_config(args)
     mixed = getattr(args, "mixed_precision", "none")
     reference = (LockstepReference(cfg, args.seed, DTYPES[args.dtype], args.optimizer, args.lr,
                                    ctx.device, clip_grad=getattr(args, "clip_grad", None),
                                    mixed_precision=mixed)
                  if args.check and ctx.is_main else None)
     tokens_per_step = args.global_batch * args.seq_len
-    log = ProgressLog(args.steps, tokens_per_step, getattr(args, "log_every", 0), ctx.device)
+    log = ProgressLog(args.steps, tokens_per_step, getattr(args, "log_every", 0), ctx.device,
+                      strategy.start_step)
     meter, activations = CommMeter(), strategy.activation_meter()
+    wire = WireMeter(ctx.backend, ctx.device, ctx.world_size)  # observed bytes (gloo on CPU)
+    wire.calibrate()
     local_losses: list[float | None] = []
     train_time, memory = 0.0, {}
-    for step in range(args.steps):
+    start_step = strategy.start_step
+    for step in range(start_step, args.steps):
         tokens = data.global_batch(step, args.global_batch)
         micro = rank_micro_batches(strategy, tokens, layout.micro_batch, ctx.device)
+        wire.open()
         start = time.perf_counter()
         with meter, activations:
             loss = strategy.forward_backward(micro)
         train_time += time.perf_counter() - start
+        wire.close()
         local_losses.append(loss)
         if args.check:
             grads, params = strategy.full_gradients(), strategy.full_parameters()
             if reference is not None:
                 reference.step(tokens, grads, params)
+        wire.open()
         start = time.perf_counter()
         with meter:
             strategy.step()
@@ -176,21 +204,25 @@ def train(args: argparse.Namespace, ctx: DistContext, strategy: Strategy, layout
         if ctx.device.type == "cuda":
             torch.cuda.synchronize()
         train_time += time.perf_counter() - start
+        wire.close()
         log(step, loss)
+        strategy.after_step(step + 1)
 
     losses = global_loss(local_losses, ctx.device)  # outside the meter
-    comm_formula, memory_formula = strategy.formulas(args.steps)
+    ran = args.steps - start_step  # a resumed run reports the steps it ran
+    comm_formula, memory_formula = strategy.formulas(ran)
     memory["activations_peak"] = activations.peak_bytes
     if (cuda_peak := cuda_peak_bytes(ctx.device)) is not None:
         memory["cuda_max_allocated"] = cuda_peak
     report = {
         "chapter": chapter, "strategy": strategy.name, "world_size": ctx.world_size,
         "mesh": strategy.mesh, "backend": ctx.backend, "device": str(ctx.device),
-        "dtype": args.dtype, "mixed_precision": mixed, "steps": args.steps, "losses": losses,
+        "dtype": args.dtype, "mixed_precision": mixed, "steps": ran, "losses": losses,
         "micro_batch": layout.micro_batch, "grad_accum": layout.grad_accum,
-        "tokens_per_s": args.steps * tokens_per_step / train_time,
+        "tokens_per_s": ran * tokens_per_step / train_time,
         "comm": meter.as_dict(), "comm_bytes_per_rank": meter.bytes_sent,
-        "comm_bytes_formula": comm_formula, "comm_convention": "accounted (nccl-tests)",
+        "comm_bytes_formula": comm_formula, "comm_convention": comm_convention(meter.as_dict()),
+        **wire.report(meter.bytes_sent),
         "memory": memory, "memory_formula": memory_formula, **strategy.report_extras(),
     }
     if args.check:

@@ -1,26 +1,80 @@
-"""Session fixtures: the rank-process pools and the hypothesis profiles.
+"""Session fixtures: the rank-process pools, the hypothesis profiles, the time budget per chapter.
 
-HYPOTHESIS_PROFILE=ci (default): a few fixed examples per property, so CI is fast and repeatable.
-HYPOTHESIS_PROFILE=thorough (`make test-thorough`): many random examples.
+HYPOTHESIS_PROFILE=ci (default): a few fixed examples per property, so CI is fast and repeatable;
+no shrinking and no example database, so a failing (or hanging) property reports its first
+failing example once and stops; the rank pool's per-call timeout is 60 s (tests/harness.py). At
+the end it prints the seconds each chapter's test files took against the chapter's budget.
+HYPOTHESIS_PROFILE=thorough (`make test-thorough`): many random examples, shrinking, 180 s.
 """
 
 from __future__ import annotations
 
 import os
+from collections import defaultdict
+from fnmatch import fnmatch
+from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 from tests.harness import Pools
 
-settings.register_profile("ci", max_examples=6, deadline=None, derandomize=True,
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+settings.register_profile("ci", max_examples=6, deadline=None, derandomize=True, database=None,
+                          phases=(Phase.explicit, Phase.generate),
                           suppress_health_check=[HealthCheck.too_slow], print_blob=True)
 settings.register_profile("thorough", max_examples=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow], print_blob=True)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+settings.load_profile(PROFILE)
 
 torch.set_num_threads(1)
+
+# Seconds per chapter on an idle 2-core machine in the ci profile; together the 15 minutes that
+# `make test` may take. A rank pool's start-up is paid by the first file that uses its world size.
+BUDGET_S: dict[str, tuple[tuple[str, ...], float]] = {
+    "common, model, harness, loop": (("test_common.py", "test_model.py", "test_harness.py",
+                                      "test_gpu_check.py", "test_training_loop.py"), 70),
+    "01 data parallel": (("test_data_parallel*.py", "test_ddp_mechanics.py"), 110),
+    "02 ring all-reduce": (("test_ring_allreduce*.py",), 100),
+    "03 ZeRO": (("test_zero*.py",), 75),
+    "04 FSDP": (("test_fsdp*.py",), 75),
+    "05 tensor parallel": (("test_tensor_parallel*.py",), 75),
+    "06 pipeline": (("test_pipeline*.py",), 75),
+    "07 3D": (("test_3d*.py", "test_parallel3d*.py"), 75),
+    "checkpoints": (("test_checkpoint*.py",), 60),
+    "lesson notebooks": (("test_notebooks.py",), 185),
+}
+_seconds: dict[str, float] = defaultdict(float)
+
+
+def chapter_of(test_file: str) -> str:
+    return next((name for name, (patterns, _) in BUDGET_S.items()
+                 if any(fnmatch(test_file, p) for p in patterns)), "other")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _seconds[Path(report.nodeid.split("::")[0]).name] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The ci profile's budget report: seconds per chapter (setup + call + teardown of its
+    tests) against its budget; over budget is flagged, not failed (machines differ)."""
+    if PROFILE != "ci" or not _seconds:
+        return
+    per_chapter: dict[str, float] = defaultdict(float)
+    for test_file, seconds in _seconds.items():
+        per_chapter[chapter_of(test_file)] += seconds
+    write = terminalreporter.write_line
+    terminalreporter.section("time per chapter (ci profile) against its budget")
+    for name in [*BUDGET_S, "other"]:
+        if name in per_chapter:
+            budget = BUDGET_S[name][1] if name in BUDGET_S else 0.0
+            flag = "over budget" if per_chapter[name] > budget else "ok"
+            write(f"{name:<32}{per_chapter[name]:>8.1f} s   budget {budget:>5.0f} s   {flag}")
+    total, budget = sum(per_chapter.values()), sum(b for _, b in BUDGET_S.values())
+    write(f"{'total':<32}{total:>8.1f} s   budget {budget:>5.0f} s   "
+          f"{'over budget' if total > budget else 'ok'} (budgets assume an idle 2-core machine)")
 
 
 @pytest.fixture(scope="session")

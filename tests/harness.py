@@ -5,6 +5,11 @@ gloo process group. A test sends a module-level function and its arguments; ever
 and the results come back as a list indexed by rank. A rank that raises reports its traceback; a
 rank that hangs (a collective waiting for a peer) or dies fails the test within `timeout` seconds
 with a message naming the ranks, and the pool is torn down to be rebuilt on next use.
+
+The timeout is 60 s in the `ci` hypothesis profile (the default) and 180 s otherwise
+(PFS_TEST_TIMEOUT overrides both). Inside a hypothesis property a hang poisons the rest of that
+test: every later call fails at once, so the final replay of the failing example costs nothing and
+a broken collective goes red in about one timeout, not one per example.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("PFS_TEST_TIMEOUT", "180"))
+CI_TIMEOUT_S, THOROUGH_TIMEOUT_S = 60.0, 180.0
+DEFAULT_TIMEOUT_S = float(os.environ.get("PFS_TEST_TIMEOUT") or (
+    CI_TIMEOUT_S if os.environ.get("HYPOTHESIS_PROFILE", "ci") == "ci" else THOROUGH_TIMEOUT_S))
 STARTUP_TIMEOUT_S = 120.0
 GRACE_S = 15.0  # after one rank fails, how long the others get to report before the pool is killed
 
@@ -121,7 +128,8 @@ class RankPool:
                 )
         return replies
 
-    def run(self, fn: Callable, *args, timeout: float = DEFAULT_TIMEOUT_S, **kwargs) -> list[Any]:
+    def run(self, fn: Callable, *args, timeout: float | None = None, **kwargs) -> list[Any]:
+        timeout = DEFAULT_TIMEOUT_S if timeout is None else timeout
         if self.broken:
             raise RuntimeError("this pool was closed")
         for conn in self.conns:
@@ -152,11 +160,23 @@ class RankPool:
                 proc.join()
 
 
+def _current_test() -> str:
+    """pytest's id of the running test (without its phase), '' outside pytest."""
+    return os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+
+
+def _in_property() -> bool:
+    from hypothesis.control import currently_in_test_context
+
+    return currently_in_test_context()
+
+
 class Pools:
     """World size → a live RankPool, rebuilt when a test left one broken."""
 
     def __init__(self) -> None:
         self._pools: dict[int, RankPool] = {}
+        self.hung: tuple[str, str] | None = None  # (test id, message) of the last hang
 
     def __call__(self, world_size: int) -> RankPool:
         pool = self._pools.get(world_size)
@@ -165,7 +185,15 @@ class Pools:
         return pool
 
     def run(self, world_size: int, fn: Callable, *args, **kwargs) -> list[Any]:
-        return self(world_size).run(fn, *args, **kwargs)
+        """Run fn on every rank; inside a hypothesis property that already hung, fail at once."""
+        if self.hung is not None and self.hung[0] == _current_test() and _in_property():
+            raise RankTimeoutError(f"not run: an earlier example of this property hung, and a "
+                                   f"property stops at its first hang. {self.hung[1]}")
+        try:
+            return self(world_size).run(fn, *args, **kwargs)
+        except RankTimeoutError as error:
+            self.hung = (_current_test(), str(error))
+            raise
 
     def close(self) -> None:
         for pool in self._pools.values():

@@ -14,7 +14,8 @@ from common.comm import CommMeter, all_gather_single, reduce_scatter_single
 from common.data import ByteCorpus, SyntheticTokens, local_micro_batches
 from common.dist import LaunchError, env_world_size, pick_backend
 from common.memory import ActivationMeter, model_state_bytes, storage_bytes
-from common.report import emit_report
+from common.report import comm_convention, emit_report
+from common.wire import WireMeter
 
 
 def meter_every_op() -> dict:
@@ -133,4 +134,43 @@ def test_report_prints_json_as_last_line(tmp_path, capsys):
     emit_report(report, str(tmp_path / "r.json"))
     out = capsys.readouterr().out.strip().splitlines()
     assert json.loads(out[-1]) == report == json.loads((tmp_path / "r.json").read_text())
-    assert any("comm (accounted)" in line and "2.0000" in line for line in out)
+    assert any("comm accounted (nccl-tests)" in line and "2.0000" in line for line in out)
+
+
+def test_comm_convention_says_accounted_for_collectives_and_sent_for_p2p():
+    """Collectives are charged by nccl-tests' convention, point-to-point sends as sent: the report
+    labels the figure accordingly (neither is observed; common/wire.py observes)."""
+    assert comm_convention({"all_reduce": {}}) == "accounted (nccl-tests)"
+    assert comm_convention({"isend": {}, "irecv": {}}) == "sent (P2P)"
+    assert comm_convention({"all_reduce": {}, "send": {}}) == "accounted + sent (P2P)"
+
+
+def wire_around_all_reduce(numel: int) -> dict:
+    wire = WireMeter("gloo", torch.device("cpu"), dist.get_world_size())
+    wire.calibrate(windows=1, seconds=0.01)
+    x = torch.ones(numel)
+    wire.open()
+    with CommMeter() as meter:
+        dist.all_reduce(x)
+    wire.close()
+    return wire.report(meter.bytes_sent) | {"accounted": meter.bytes_sent}
+
+
+def test_wire_meter_observes_the_bytes_gloo_writes(pools):
+    """gloo's own bytes, observed: this rank's socket writes (wchar) are the accounted bytes plus
+    gloo's framing; the machine's loopback bytes per rank are at least that (other processes on a
+    shared machine add to them: the report states the background)."""
+    for r in pools.run(2, wire_around_all_reduce, 2**18):
+        assert r["accounted"] == 2**20  # 2(n-1)/n · 1 MiB with n = 2
+        assert r["accounted"] <= r["comm_written_bytes"] < r["accounted"] + 2**16
+        assert r["comm_observed_lo_bytes"] >= r["accounted"]
+        assert r["comm_observed_lo_noise_bytes"] >= 0
+
+
+def test_wire_meter_reports_none_where_it_cannot_observe():
+    """NCCL traffic never passes through the kernel: no figure rather than a wrong one."""
+    wire = WireMeter("nccl", torch.device("cuda", 0), 2)
+    wire.open()
+    wire.close()
+    assert wire.report(1000.0) == {"comm_observed_lo_bytes": None,
+                                   "comm_observed_lo_noise_bytes": None, "comm_written_bytes": None}

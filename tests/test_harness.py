@@ -4,11 +4,16 @@ clear message and a rebuilt pool, never a stuck test session."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
 
+from tests import harness
+from tests.conftest import BUDGET_S, PROFILE, chapter_of
 from tests.harness import RankError, RankTimeoutError
 
 
@@ -54,3 +59,35 @@ def test_an_exception_on_one_rank_carries_its_traceback(pools):
     with pytest.raises(RankError, match="bad value on rank 0") as info:
         pools.run(2, rank_0_raises)
     assert info.value.errors == {0: "ValueError: bad value on rank 0"}
+
+
+def test_a_property_stops_at_its_first_hang(pools):
+    """A hung example costs one timeout: hypothesis stops generating at the first failure (no
+    shrinking in ci), and its final replay of the failing example fails at once, without waiting."""
+    calls = []
+
+    @settings(max_examples=5, phases=(Phase.generate,), database=None, derandomize=True)
+    @given(st.integers(0, 100))
+    def hangs(x):
+        calls.append(x)
+        pools.run(2, only_rank_0_waits, timeout=3)
+
+    with pytest.raises(RankTimeoutError, match=r"a property stops at its first hang.*within 3 s"):
+        hangs()
+    assert len(calls) == 2, calls  # the example that hung, and the replay that did not wait
+    assert pools.run(2, rank_and_sum)[0] == (0, 1.0)  # outside the property: a fresh pool
+
+
+def test_ci_profile_does_not_shrink_and_times_out_sooner():
+    if PROFILE != "ci":
+        pytest.skip("the ci profile's settings")
+    assert Phase.shrink not in settings.default.phases and settings.default.database is None
+    override = os.environ.get("PFS_TEST_TIMEOUT")
+    assert (float(override) if override else 60.0) == harness.DEFAULT_TIMEOUT_S
+
+
+def test_every_test_file_belongs_to_a_chapter_budget():
+    for name in sorted(p.name for p in Path(__file__).parent.glob("test_*.py")):
+        assert chapter_of(name) in BUDGET_S, f"{name}: add it to conftest.BUDGET_S"
+    assert chapter_of("test_zero.py") == "03 ZeRO" and chapter_of("test_3d_mesh.py") == "07 3D"
+    assert sum(budget for _, budget in BUDGET_S.values()) <= 15 * 60

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -32,6 +33,42 @@ PARAMETER_COUNTS = {
     "llama3.1-405b": 405_853_388_800,
 }
 FFN_HIDDEN = {"llama2-7b": 11008, "llama2-70b": 28672, "llama3.1-8b": 14336, "llama3.1-405b": 53248}
+
+
+# Every field of the named configs, pinned: for the real models, the values of Meta's params.json
+# (norm_eps 1e-5 everywhere; LLaMA 3.1: rope_theta 500000 and use_scaled_rope with factor 8, low
+# and high frequency factors 1 and 4, original context 8192). A changed eps or theta keeps the
+# parameter count and changes every number the model computes.
+L31_ROPE = (8.0, 1.0, 4.0, 8192)
+FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier",
+          "norm_eps", "rope_theta", "rope_scaling", "max_seq_len")
+PUBLISHED = {
+    "llama2-7b": (4096, 32, 32, 32, 32000, 256, None, 1e-5, 10000.0, None, 4096),
+    "llama2-13b": (5120, 40, 40, 40, 32000, 256, None, 1e-5, 10000.0, None, 4096),
+    "llama2-70b": (8192, 80, 64, 8, 32000, 4096, 1.3, 1e-5, 10000.0, None, 4096),
+    "llama3.1-8b": (4096, 32, 32, 8, 128256, 1024, 1.3, 1e-5, 500000.0, L31_ROPE, 131072),
+    "llama3.1-70b": (8192, 80, 64, 8, 128256, 4096, 1.3, 1e-5, 500000.0, L31_ROPE, 131072),
+    "llama3.1-405b": (16384, 126, 128, 8, 128256, 4096, 1.2, 1e-5, 500000.0, L31_ROPE, 131072),
+    # the course's demo sizes (every chapter's README quotes numbers computed from them)
+    "tiny": (32, 8, 4, 4, 256, 16, None, 1e-5, 10000.0, None, 2048),
+    "small": (256, 8, 8, 4, 256, 64, None, 1e-5, 10000.0, None, 2048),
+}
+
+
+def test_named_configs_are_exactly_the_published_ones():
+    assert set(PUBLISHED) == set(CONFIGS), "pin every named config here"
+    for name, values in PUBLISHED.items():
+        cfg = get_config(name)
+        assert {f: getattr(cfg, f) for f in FIELDS} == dict(zip(FIELDS, values, strict=True)), name
+        assert {f.name for f in dataclasses.fields(cfg)} == set(FIELDS), "a new field: pin it"
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama3.1-8b"])
+def test_the_model_uses_the_configs_norm_eps(name):
+    cfg = get_config(name)
+    model = build_model(cfg, device="meta")
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert len(norms) == 2 * cfg.n_layers + 1 and {m.eps for m in norms} == {cfg.norm_eps}
 
 
 @pytest.mark.parametrize("name", PARAMETER_COUNTS)

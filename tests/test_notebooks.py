@@ -1,12 +1,15 @@
-"""Every lesson notebook runs top to bottom on CPU in under 2 minutes."""
+"""Every lesson notebook runs top to bottom on CPU in under 2 minutes, and is committed executed
+(a reader sees the results without running it)."""
 
 from __future__ import annotations
 
+import nbformat
 import pytest
 
 from common.notebooks import REPO_ROOT, execute, lesson_notebooks
 
 NOTEBOOKS = lesson_notebooks()
+IDS = [p.parent.name for p in NOTEBOOKS]
 
 
 def test_every_chapter_with_a_train_py_has_a_lesson_notebook():
@@ -14,7 +17,16 @@ def test_every_chapter_with_a_train_py_has_a_lesson_notebook():
     assert chapters == sorted(p.parent for p in NOTEBOOKS)
 
 
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=IDS)
+def test_lesson_notebook_is_committed_with_its_outputs(notebook):
+    """`make notebooks` saves the outputs; an unexecuted or failed cell means it was not run."""
+    cells = [c for c in nbformat.read(notebook, as_version=4).cells if c.cell_type == "code"]
+    assert cells and all(c.execution_count is not None for c in cells), "run `make notebooks`"
+    errors = [o for c in cells for o in c.outputs if o.output_type == "error"]
+    assert not errors, f"a committed cell failed: {errors[0].get('ename')}: {errors[0].get('evalue')}"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[p.parent.name for p in NOTEBOOKS])
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=IDS)
 def test_lesson_notebook_runs_on_cpu_in_under_two_minutes(notebook):
     assert execute(notebook, timeout_s=120) < 120

@@ -45,6 +45,7 @@ from ring_allreduce.ring import (
     OP_NAMES,
     PRODUCT,
     SUM,
+    CheckOncePerShape,
     chunk_bounds,
     chunk_sizes,
     ring_all_gather,
@@ -319,6 +320,59 @@ def test_naive_root_sends_and_receives_n_minus_1_times_the_data(pools, world, le
     assert per_rank[0]["send"]["bytes"] == (world - 1) * (size + extra)
 
 
+def record_exchanges(length: int, segment_bytes: int, check: bool) -> dict:
+    """Every batch_isend_irecv the ring issues, as [(op name, peer)], with the meter's message
+    count (which also sees any isend issued outside a batch)."""
+    batches, original = [], dist.batch_isend_irecv
+
+    def recording(ops):
+        batches.append([(op.op.__name__, op.peer) for op in ops])
+        return original(ops)
+
+    dist.batch_isend_irecv = recording
+    try:
+        with CommMeter() as meter:
+            ring_all_reduce(torch.ones(length), check=check, segment_bytes=segment_bytes)
+    finally:
+        dist.batch_isend_irecv = original
+    return {"batches": batches, "isend": meter.calls("isend"), "irecv": meter.calls("irecv")}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_each_exchange_is_one_group_of_a_send_right_and_a_receive_left(pools, world):
+    """NCCL needs a send and a receive that must progress together issued as one group; with n = 2
+    both go to the same peer. Every message the ring sends travels inside such a group."""
+    per_rank = pools.run(world, record_exchanges, 4 * world + 1, 8, True)
+    for rank, r in enumerate(per_rank):
+        right, left = (rank + 1) % world, (rank - 1) % world
+        in_batches = [op for batch in r["batches"] for op in batch]
+        assert r["isend"] == sum(name == "isend" for name, _ in in_batches) > 0  # none outside a batch
+        assert r["irecv"] == sum(name == "irecv" for name, _ in in_batches)
+        for batch in r["batches"]:
+            assert sorted(batch) == sorted({("isend", right), ("irecv", left)} & set(batch)), batch
+            assert len(batch) == len(set(batch)) >= 1
+        paired = sum(len(batch) == 2 for batch in r["batches"])
+        assert paired >= len(r["batches"]) - 2 * (world - 1), "uneven chunks unpair at most a segment"
+
+
+def check_once_per_shape(lengths: list[int]) -> list[int]:
+    """isend calls of each call through one CheckOncePerShape(ring_all_reduce)."""
+    all_reduce, calls = CheckOncePerShape(ring_all_reduce), []
+    for length in lengths:
+        with CommMeter() as meter:
+            all_reduce(torch.ones(length), op=SUM, async_op=True).wait()
+        calls.append(meter.calls("isend"))
+    return calls
+
+
+def test_check_once_per_shape_checks_only_the_first_call_of_each_shape(pools):
+    """DDP repeats its bucket calls every step: the n-1 check messages go with the first call of
+    each (length, dtype, op, group) only; a new shape is checked again."""
+    world, steps = 3, 4  # 2(n-1) data messages for tensors that fit one segment
+    for calls in pools.run(world, check_once_per_shape, [10, 10, 7, 10, 7]):
+        assert calls == [steps + world - 1, steps, steps + world - 1, steps, steps]
+
+
 # ---------------------------------------------------------------- the simulator and the cost model
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8])
@@ -370,11 +424,15 @@ def test_cost_model_fit_recovers_known_alpha_and_beta():
     assert truth.time("naive", big, 8) / truth.time("naive", big, 2) == pytest.approx(7, rel=1e-3)
     assert truth.time("ring", big, 8) / truth.time("ring", big, 2) == pytest.approx(1.75, rel=1e-3)
     assert fit([2, 2], [0, 1e6], [2e-3, 1e-3]).beta == 0.0  # slower when smaller: beta < 0 refused
+    # ring.py's messages: 2(n-1) steps of ⌈(S/n)/segment⌉ segments each
+    assert ring_terms(2**24, 4, segment_bytes=2**20) == (2 * 3 * 4, 1.5 * 2**24)
+    assert ring_terms(4096, 4, segment_bytes=2**20) == ring_terms(4096, 4) == (6, 1.5 * 4096)
 
 
 # ---------------------------------------------------------------- DDP on the ring trains exactly
 
-ALL_REDUCES = {"ring": ring_all_reduce, "naive": naive_all_reduce}
+ALL_REDUCES = {"ring": ring_all_reduce, "naive": naive_all_reduce,
+               "ring-checked-once": CheckOncePerShape(ring_all_reduce)}
 
 
 def run_ddp_with(pools, spec: TrainSpec, all_reduce, bucket_cap_mb: float) -> RunRecord:
@@ -382,7 +440,7 @@ def run_ddp_with(pools, spec: TrainSpec, all_reduce, bucket_cap_mb: float) -> Ru
     return run_data_parallel(pools, spec, "ddp", bucket_cap_mb, all_reduce=all_reduce)
 
 
-@given(spec=data_parallel_specs(), algorithm=st.sampled_from(["ring", "naive"]),
+@given(spec=data_parallel_specs(), algorithm=st.sampled_from(["ring", "naive", "ring-checked-once"]),
        bucket_cap_mb=st.sampled_from([1e-6, 0.004, 25.0]))
 @settings(max_examples=4)
 def test_ddp_on_the_ring_equals_single_device_float64(pools, spec, algorithm, bucket_cap_mb):
@@ -463,6 +521,8 @@ def call_with_bad_input(case: str) -> None:
         "dtypes-differ": lambda: ring_all_reduce(torch.zeros(6, dtype=torch.float64 if rank == 1
                                                             else torch.float32)),
         "ops-differ": lambda: ring_all_reduce(torch.zeros(6), op=MAX if rank == 2 else SUM),
+        "segments-differ": lambda: ring_all_reduce(torch.zeros(6), segment_bytes=8 if rank == 1 else 16),
+        "once-sizes-differ": lambda: CheckOncePerShape(ring_all_reduce)(torch.zeros(5 if rank == 0 else 6)),
         "naive-sizes-differ": lambda: naive_all_reduce(torch.zeros(5 if rank == 2 else 6)),
         "scatter-sizes-differ": lambda: ring_reduce_scatter(
             torch.empty(chunk_sizes(9 if rank else 8, dist.get_world_size())[rank]),
@@ -491,6 +551,8 @@ def call_with_bad_input(case: str) -> None:
     ("sizes-differ", r"ValueError: ring_all_reduce: the ranks of the group disagree.*length 5.*length 6"),
     ("dtypes-differ", r"ValueError: ring_all_reduce: the ranks of the group disagree.*float64"),
     ("ops-differ", r"ValueError: ring_all_reduce: the ranks of the group disagree.*op MAX"),
+    ("segments-differ", r"ValueError: ring_all_reduce: the ranks of the group disagree.*segment_bytes 8"),
+    ("once-sizes-differ", r"ValueError: ring_all_reduce: the ranks of the group disagree.*length 5"),
     ("naive-sizes-differ", r"ValueError: naive_all_reduce: the ranks of the group disagree"),
     ("scatter-sizes-differ", r"ValueError: ring_reduce_scatter: the ranks of the group disagree"),
     ("scatter-output-size", r"ValueError: output has 7 elements .* chunk \d of the 12-element input"),
