@@ -1,0 +1,328 @@
+"""Plan a 3D layout: which (TP, PP, DP, ZeRO level, micro-batch, recompute) fits a model on G GPUs
+of M GB, what each GPU holds, what it sends, and which one to pick.
+
+    python -m parallel3d.planner --model llama2-70b --gpus 64 --gpu-mem-gb 80
+    python -m parallel3d.planner --article      # the source article's numbers and table
+
+Every candidate is priced by `memory_model` (per-GPU bytes) and a step-time model:
+
+    t_step = C·(1 + (p-1)/(v·m)) + T_tp + T_pp + max(0, T_dp - C)
+    C      = (6·N + 12·L·h·s)·tokens·(1 + recompute) / (G · peak · efficiency)
+
+the compute C stretched by the pipeline bubble (m micro-batches per replica, v virtual stages),
+plus the TP collectives on NVLink (on the critical path), the PP sends, and the data-parallel
+traffic beyond what hides behind compute (α·2(d-1) latency per ring collective included). With
+the mesh order TP, DP, PP a DP group spans t·d consecutive GPUs: inside a node it runs on NVLink,
+inside a pod on the full network, beyond it at 1/7 of that (the oversubscribed aggregation layer
+of Llama 3's cluster, the reason its DP groups are kept small). TP stays inside a node (the
+article's rule: TP needs NVLink). The recommendation is the
+fastest candidate that fits in `headroom`·M; ties go to the one with the smaller footprint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field
+
+from common.model import CONFIGS, LlamaConfig
+
+from .memory_model import (
+    GB,
+    PRECISIONS,
+    Layout,
+    comm_bytes_per_gpu,
+    layer_parameters,
+    memory_per_gpu,
+    parameters_per_gpu,
+    total_parameters,
+)
+
+# A LLaMA-shaped model for the article's 70B-200B row (GPT-3's width and depth, LLaMA's blocks).
+PLANNING_SHAPES: dict[str, LlamaConfig] = {
+    "llama-175b-shape": LlamaConfig(dim=12288, n_layers=96, n_heads=96, n_kv_heads=8,
+                                    vocab_size=32000, multiple_of=4096, max_seq_len=4096),
+}
+MODELS = {**CONFIGS, **PLANNING_SHAPES}
+
+# The source article's strategy-by-size table: (max params in B, GPUs, its advice).
+ARTICLE_TABLE = [
+    (7.5, "1-8", "FSDP or ZeRO-2; no TP, no PP"),
+    (13.5, "4-16", "ZeRO-2/3 or FSDP; TP 2-4 optional"),
+    (70.5, "16-64", "TP 4-8 inside the node + FSDP; PP if several nodes"),
+    (200.0, "64-256", "TP 8 + PP 4-8 + FSDP; multi-node"),
+    (math.inf, "1000+", "TP 8 + PP 16+ + FSDP"),
+]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    peak_tflops: float = 989.0      # H100 SXM bf16 dense
+    efficiency: float = 0.5         # achievable fraction of peak in the matmuls
+    nvlink_gbps: float = 450.0      # per GPU, one direction, inside a node
+    network_gbps: float = 50.0      # per GPU between nodes (400 Gb/s NIC per GPU)
+    latency_us: float = 5.0         # α of one network hop
+    gpus_per_node: int = 8
+    pod_gpus: int = 3072            # GPUs under one aggregation layer (Llama 3's cluster) ...
+    oversubscription: float = 7.0   # ... and the bandwidth division beyond it (1:7)
+
+    def bandwidth(self, span: int) -> float:
+        """Bytes/s per GPU of a collective whose ranks span `span` consecutive GPUs."""
+        if span <= self.gpus_per_node:
+            return self.nvlink_gbps * GB
+        return self.network_gbps * GB / (1.0 if span <= self.pod_gpus else self.oversubscription)
+
+
+@dataclass
+class Plan:
+    layout: Layout
+    microbatches: int
+    memory: dict[str, float]
+    comm: dict[str, float]
+    step_s: float
+    mfu: float
+    fits: bool
+    times: dict[str, float] = field(default_factory=dict)
+
+
+def model_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
+    """PaLM's count: 6N for the matmuls forward and backward + 12·L·h·s for attention."""
+    return 6 * total_parameters(cfg) + 12 * cfg.n_layers * cfg.dim * seq_len
+
+
+def recompute_fraction(cfg: LlamaConfig, recompute: str) -> float:
+    """Extra compute over forward+backward (= 3 forwards): a whole forward (1/3) for full
+    recompute, the attention sub-layer's share of it for selective."""
+    if recompute == "full":
+        return 1 / 3
+    if recompute == "selective":
+        split, _ = layer_parameters(cfg)
+        attn = cfg.dim * (2 * cfg.dim + 2 * cfg.n_kv_heads * cfg.head_dim)
+        return attn / split / 3
+    return 0.0
+
+
+def price(cfg: LlamaConfig, layout: Layout, seq_len: int, global_batch: int, gpu_mem_gb: float,
+          hw: Hardware, precision: str = "mixed", headroom: float = 0.9,
+          eager_attention: bool = False) -> Plan:
+    """Memory, communication and estimated step time of one candidate."""
+    m = global_batch // (layout.dp * layout.micro_batch)
+    memory = memory_per_gpu(cfg, layout, seq_len, m, precision, eager_attention)
+    comm = comm_bytes_per_gpu(cfg, layout, seq_len, m, precision)
+    tokens = global_batch * seq_len
+    flops = model_flops_per_token(cfg, seq_len) * tokens
+    compute = flops * (1 + recompute_fraction(cfg, layout.recompute)) / (
+        layout.gpus * hw.peak_tflops * 1e12 * hw.efficiency)
+    bubble = (layout.pp - 1) / (layout.virtual_stages * m)
+    d, t, p_ = layout.dp, layout.tp, layout.pp
+    dp_bw, pp_bw = hw.bandwidth(t * d), hw.bandwidth(layout.gpus)  # DP strides t, PP strides t·d
+    ring = (d - 1) / d if d > 1 else 0.0
+    alpha = 0.0 if t * d <= hw.gpus_per_node else 2 * (d - 1) * hw.latency_us * 1e-6
+    units = math.ceil(cfg.n_layers / p_) + 1  # one collective per block (+ embedding/head)
+    psi = comm["dp"] and parameters_per_gpu(cfg, t, p_)
+    w, g, _ = PRECISIONS[precision]
+    per_mb = compute / m
+    # Gradients are final after the last micro-batch's backward: only that backward (2/3 of its
+    # compute) hides their reduction; ZeRO-1/2's parameter all-gather hides behind the next
+    # step's first forward (1/3); ZeRO-3 gathers every micro-batch, behind that micro-batch.
+    grad_s = (ring * psi * g * (1 if layout.zero else 2)) / dp_bw + units * alpha
+    exposed = max(0.0, grad_s - 2 / 3 * per_mb)
+    if layout.zero in (1, 2):
+        exposed += max(0.0, ring * psi * w / dp_bw + units * alpha - per_mb / 3)
+    elif layout.zero >= 3:
+        exposed += m * max(0.0, 2 * ring * psi * w / dp_bw + 2 * units * alpha - per_mb)
+    times = {
+        "compute": compute * (1 + bubble),
+        "bubble": compute * bubble,
+        "tp": comm["tp"] / (hw.nvlink_gbps * GB),
+        "pp": comm["pp"] / pp_bw,
+        "dp_exposed": exposed,
+    }
+    step = times["compute"] + times["tp"] + times["pp"] + exposed
+    mfu = 6 * total_parameters(cfg) * tokens / (step * layout.gpus * hw.peak_tflops * 1e12)
+    fits = memory["total"] <= headroom * gpu_mem_gb * GB
+    return Plan(layout, m, memory, comm, step, mfu, fits, times)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(cfg: LlamaConfig, gpus: int, global_batch: int, hw: Hardware,
+               micro_batches=(1, 2, 4, 8), zero_levels=(0, 1, 2, 3),
+               recompute=("none", "selective", "full")) -> list[Layout]:
+    """Every layout the model and the cluster admit: TP inside a node dividing the heads, KV heads
+    and vocabulary; PP at most one block per stage (uneven stages allowed, as Llama 3's 126
+    layers on 16 stages); the global batch divisible by dp·micro-batch; interleaving needs the
+    micro-batch count divisible by p."""
+    out = []
+    for tp in divisors(min(gpus, hw.gpus_per_node)):
+        if cfg.n_heads % tp or cfg.n_kv_heads % tp or cfg.vocab_size % tp:
+            continue
+        for pp in divisors(gpus // tp):
+            if pp > cfg.n_layers or (gpus // tp) % pp:
+                continue
+            dp = gpus // (tp * pp)
+            for mb in micro_batches:
+                if global_batch % (dp * mb):
+                    continue
+                m = global_batch // (dp * mb)
+                vs = [1] + [v for v in (2, 4, 8) if pp > 1 and m % pp == 0 and pp * v <= cfg.n_layers]
+                for v in vs:
+                    for zero in zero_levels if dp > 1 else (0,):
+                        for ac in recompute:
+                            out.append(Layout(tp, pp, dp, zero, mb, v, ac, tp > 1))
+    return out
+
+
+def plan(cfg: LlamaConfig, gpus: int, gpu_mem_gb: float, seq_len: int, global_batch: int,
+         hw: Hardware | None = None, precision: str = "mixed", headroom: float = 0.9,
+         eager_attention: bool = False) -> list[Plan]:
+    """All candidates priced, the fitting ones first, fastest first (then smallest footprint)."""
+    hw = hw or Hardware()
+    plans = [price(cfg, layout, seq_len, global_batch, gpu_mem_gb, hw, precision, headroom,
+                   eager_attention)
+             for layout in candidates(cfg, gpus, global_batch, hw)]
+    return sorted(plans, key=lambda p: (not p.fits, round(p.step_s, 3), p.memory["total"]))
+
+
+def complexity(layout: Layout) -> tuple:
+    """What a layout costs in engineering, least first: no pipeline, no interleaving, less TP,
+    no recomputation."""
+    ac = ("none", "selective", "full").index(layout.recompute)
+    return (layout.pp > 1, layout.virtual_stages > 1, layout.tp, ac, layout.pp)
+
+
+def recommend(plans: list[Plan], tolerance: float = 0.05) -> Plan | None:
+    """The simplest fitting layout within `tolerance` of the fastest one's step time: a pipeline
+    or a wider TP group must buy more than 5% to be worth its complexity; then the fastest, then
+    the smallest footprint (ZeRO-2 over ZeRO-1: the same bytes on the wire, less memory)."""
+    fitting = [p for p in plans if p.fits]
+    if not fitting:
+        return None
+    best = min(p.step_s for p in fitting)
+    near = [p for p in fitting if p.step_s <= (1 + tolerance) * best]
+    return min(near, key=lambda p: (complexity(p.layout), round(p.step_s, 2), p.memory["total"]))
+
+
+def article_row(n_params: float) -> tuple[str, str]:
+    """The article's (GPUs, advice) for a model of `n_params` parameters."""
+    for max_b, gpus, advice in ARTICLE_TABLE:
+        if n_params / 1e9 <= max_b:
+            return gpus, advice
+    raise AssertionError
+
+
+def article_scenario(cfg: LlamaConfig, gpus: int, zero: int) -> dict[str, float]:
+    """The article's 86 GB (one GPU) and 11 GB (ZeRO-3 on 8): fp16 weights, gradients and Adam
+    m, v (8 bytes per parameter); a batch of 8 sequences of 512 tokens split over the GPUs;
+    attention without flash (scores and softmax kept), no recomputation."""
+    layout = Layout(tp=1, pp=1, dp=gpus, zero=zero, micro_batch=8 // gpus, recompute="none",
+                    sequence_parallel=False)
+    return memory_per_gpu(cfg, layout, seq_len=512, microbatches=1, precision="article",
+                          eager_attention=True)
+
+
+def format_plans(plans: list[Plan], top: int) -> str:
+    head = (f"{'tp':>3}{'pp':>4}{'v':>3}{'dp':>6}{'zero':>6}{'mb':>4}{'m':>5}{'AC':>10} |"
+            f"{'weights':>8}{'grads':>7}{'optim':>7}{'activ':>7}{'total':>7} GB |"
+            f"{'TP':>8}{'PP':>7}{'DP':>8} GB/step |{'step s':>8}{'MFU':>6}  fits")
+    lines = [head, "-" * len(head)]
+    for p in plans[:top]:
+        lo = p.layout
+        mem, c = {k: v / GB for k, v in p.memory.items()}, {k: v / GB for k, v in p.comm.items()}
+        lines.append(
+            f"{lo.tp:>3}{lo.pp:>4}{lo.virtual_stages:>3}{lo.dp:>6}{lo.zero:>6}{lo.micro_batch:>4}"
+            f"{p.microbatches:>5}{lo.recompute:>10} |{mem['weights']:>8.1f}{mem['grads']:>7.1f}"
+            f"{mem['optimizer']:>7.1f}{mem['activations']:>7.1f}{mem['total']:>7.1f}    |"
+            f"{c['tp']:>8.1f}{c['pp']:>7.2f}{c['dp']:>8.1f}         |{p.step_s:>8.2f}"
+            f"{p.mfu:>6.0%}  {'yes' if p.fits else 'no'}")
+    return "\n".join(lines)
+
+
+def article_report() -> str:
+    """The source article's numbers, recomputed, and its table against the planner's picks."""
+    cfg = MODELS["llama2-7b"]
+    one, eight = article_scenario(cfg, 1, 0), article_scenario(cfg, 8, 3)
+    lines = [f"llama2-7b ({total_parameters(cfg) / 1e9:.2f}B), the article's arithmetic "
+             "(fp16 weights + grads + Adam m, v; 8 × 512 tokens; attention without flash):",
+             "  one GPU:        " + ", ".join(f"{k} {v / GB:.1f} GB" for k, v in one.items()),
+             "  ZeRO-3 on 8:    " + ", ".join(f"{k} {v / GB:.1f} GB" for k, v in eight.items()),
+             "", "strategy by size (planner's pick, mixed precision, 4M tokens per step):"]
+    for name, gpus, seq, batch in TABLE_SCENARIOS:
+        cfg = MODELS[name]
+        best = recommend(plan(cfg, gpus, 80, seq, batch))
+        rows, advice = article_row(total_parameters(cfg))
+        pick = best.layout.describe() if best else "nothing fits"
+        lines.append(f"  {name:<17} {gpus:>6} GPUs: {pick:<52} | article ({rows} GPUs): {advice}")
+    return "\n".join(lines)
+
+
+# (model, GPUs, seq_len, global batch in sequences): one scenario per row of the article's table.
+TABLE_SCENARIOS = [
+    ("llama2-7b", 8, 4096, 1024),
+    ("llama2-13b", 16, 4096, 1024),
+    ("llama2-70b", 64, 4096, 1024),
+    ("llama-175b-shape", 256, 4096, 1024),
+    ("llama3.1-405b", 16384, 8192, 2048),
+]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", choices=MODELS, default="llama2-70b")
+    p.add_argument("--gpus", type=int, default=64)
+    p.add_argument("--gpu-mem-gb", type=float, default=80.0)
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="sequences per optimizer step (default: 4M tokens)")
+    p.add_argument("--precision", choices=PRECISIONS, default="mixed",
+                   help="bytes per parameter: article (2+2+4), mixed (2+2+12), fp32 (4+4+8)")
+    p.add_argument("--eager-attention", action="store_true", help="keep the s×s scores (no flash)")
+    p.add_argument("--headroom", type=float, default=0.9, help="usable fraction of GPU memory")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--top", type=int, default=12, help="candidates to print")
+    p.add_argument("--article", action="store_true", help="print the article's numbers and table")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.article:
+        print(article_report())
+        return 0
+    cfg = MODELS[args.model]
+    batch = args.global_batch or max(1, 4 * 2**20 // args.seq_len)
+    problems = [msg for ok, msg in [
+        (args.gpus > 0, f"--gpus {args.gpus}: must be positive"),
+        (args.gpu_mem_gb > 0, f"--gpu-mem-gb {args.gpu_mem_gb}: must be positive"),
+        (args.seq_len > 0, f"--seq-len {args.seq_len}: must be positive"),
+        (batch > 0, f"--global-batch {batch}: must be positive"),
+        (0 < args.headroom <= 1, f"--headroom {args.headroom}: must be in (0, 1]"),
+    ] if not ok]
+    if problems:
+        print("error: " + "; ".join(problems))
+        return 2
+    hw = Hardware(gpus_per_node=args.gpus_per_node)
+    plans = plan(cfg, args.gpus, args.gpu_mem_gb, args.seq_len, batch, hw, args.precision,
+                 args.headroom, args.eager_attention)
+    n = total_parameters(cfg)
+    print(f"{args.model}: {n / 1e9:.2f}B parameters, {args.gpus} × {args.gpu_mem_gb:g} GB GPUs, "
+          f"{batch} × {args.seq_len} tokens per step, {args.precision} precision "
+          f"({sum(PRECISIONS[args.precision])} bytes/parameter of model states)")
+    print(f"{len(plans)} candidates, {sum(p.fits for p in plans)} fit in "
+          f"{args.headroom:.0%} of {args.gpu_mem_gb:g} GB\n")
+    print(format_plans(plans, args.top))
+    best = recommend(plans)
+    rows, advice = article_row(n)
+    print(f"\nrecommended: {best.layout.describe() if best else 'nothing fits: add GPUs'}")
+    if best:
+        print(f"  {best.memory['total'] / GB:.1f} GB per GPU, step ≈ {best.step_s:.2f} s, "
+              f"MFU ≈ {best.mfu:.0%}")
+    print(f"the article's table for this size ({rows} GPUs): {advice}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

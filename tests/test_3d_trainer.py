@@ -1,0 +1,217 @@
+"""Chapter 07: the 3D trainer (TP inside each pipeline stage, FSDP over DP, a 06 schedule over PP)
+trains the same numbers as one device, over meshes dp·pp·tp = 4 and 8, every schedule, SP on/off,
+recomputation, gradient accumulation and clipping; broken variants are rejected; bad input fails
+on every rank before any collective."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from common.dist import init_distributed
+from common.model import LlamaConfig
+from parallel3d import train as train3d
+from parallel3d.train import Parallel3DStrategy
+from pipeline.backward_split import backward_weight
+from tests.equivalence import TrainSpec, check_strategy, check_strategy_rejected, spec_args, tiny_configs
+from tests.harness import RankError
+
+MESHES_8 = [(2, 2, 2), (1, 2, 4), (2, 4, 1), (4, 1, 2), (1, 4, 2), (2, 1, 4)]  # (dp, pp, tp)
+MESHES = [*MESHES_8, (1, 2, 2), (2, 2, 1), (2, 1, 2), (1, 1, 4)]  # dp·pp·tp = 8 or 4
+
+
+def flags(dp: int, pp: int, tp: int, schedule: str = "1f1b", virtual: int | None = None,
+          sp: bool = False, ac: str = "none", sharding: str = "FULL_SHARD") -> dict:
+    return dict(dp=dp, pp=pp, tp=tp, schedule=schedule, microbatches=None, virtual_stages=virtual,
+                sequence_parallel=sp, activation_checkpointing=ac, sharding_strategy=sharding,
+                lr_schedule="constant", warmup_steps=None, min_lr_ratio=0.1)
+
+
+def strategy_3d(spec: TrainSpec, chapter_flags: dict, cls=Parallel3DStrategy):
+    args = spec_args(spec, **chapter_flags)
+    layout = train3d.validate(args, spec.world_size)
+    return cls(args, init_distributed(), layout)
+
+
+@st.composite
+def specs_3d(draw, dtype: str = "float64"):
+    dp, pp, tp = draw(st.sampled_from(MESHES))
+    schedule = draw(st.sampled_from(["gpipe", "1f1b", "interleaved"] if pp > 1 else ["1f1b"]))
+    v = 2 if schedule == "interleaved" else 1
+    cfg = draw(tiny_configs(heads_multiple_of=tp, layers_multiple_of=pp * v))
+    seq = tp * draw(st.integers(1, 3))
+    micro, accum = draw(st.integers(1, 2)), draw(st.sampled_from([pp, 2 * pp] if pp > 1 else [1, 2]))
+    spec = TrainSpec(cfg=cfg, world_size=dp * pp * tp, dp=dp, global_batch=dp * micro * accum,
+                     micro_batch=micro, seq_len=seq, steps=draw(st.integers(1, 2)), dtype=dtype,
+                     optimizer=draw(st.sampled_from(["adamw", "sgd"])), seed=draw(st.integers(0, 999)),
+                     clip_grad=draw(st.sampled_from([None, 1e-2, 1e3])))
+    chapter = flags(dp, pp, tp, schedule, v, sp=tp > 1 and draw(st.booleans()),
+                    ac=draw(st.sampled_from(["none", "full", "selective"])),
+                    sharding=draw(st.sampled_from(["FULL_SHARD", "SHARD_GRAD_OP"])))
+    return spec, chapter
+
+
+@given(drawn=specs_3d())
+def test_3d_trainer_equals_single_device_float64(pools, drawn):
+    spec, chapter = drawn
+    check_strategy(pools, spec, strategy_3d, chapter)
+
+
+CFG = LlamaConfig(dim=16, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=32, multiple_of=8)
+SPEC = TrainSpec(cfg=CFG, world_size=8, dp=2, global_batch=8, micro_batch=1, seq_len=4, steps=2,
+                 clip_grad=1e-2, optimizer="sgd")
+
+
+def test_2x2x2_with_sp_recompute_and_clipping_equals_single_device(pools):
+    check_strategy(pools, SPEC, strategy_3d, flags(2, 2, 2, "interleaved", 2, sp=True, ac="full"))
+
+
+def test_mixed_precision_equals_mixed_precision_reference(pools):
+    spec = TrainSpec(**{**SPEC.__dict__, "dtype": "float32", "mixed_precision": "bf16",
+                        "optimizer": "adamw", "clip_grad": 1.0})
+    check_strategy(pools, spec, strategy_3d, flags(2, 2, 2, sp=True))
+
+
+# --- ZB-H1 under FSDP: W differentiates the gathered flat tensors autograd saw ------------------
+
+ZB_CASES = [((2, 2, 2), True, "FULL_SHARD", "adamw"), ((1, 4, 2), False, "SHARD_GRAD_OP", "sgd"),
+            ((2, 4, 1), False, "FULL_SHARD", "sgd")]
+
+
+@pytest.mark.parametrize("mesh, sp, sharding, optimizer", ZB_CASES)
+def test_zero_bubble_with_fsdp_equals_single_device(pools, mesh, sp, sharding, optimizer):
+    dp, pp, tp = mesh
+    spec = TrainSpec(**{**SPEC.__dict__, "dp": dp, "optimizer": optimizer})
+    check_strategy(pools, spec, strategy_3d, flags(dp, pp, tp, "zb", sp=sp, sharding=sharding))
+
+
+def weight_pass_missing_one_node(state) -> None:
+    """A broken W: the dW of one parting node (per chunk and micro-batch) never computed."""
+    state.groups = state.groups[1:]
+    backward_weight(state)
+
+
+class ZeroBubbleLosingAWeightGradient(Parallel3DStrategy):
+    def forward_backward(self, micro_batches):
+        with mock.patch("pipeline.executor.backward_weight", weight_pass_missing_one_node):
+            return super().forward_backward(micro_batches)
+
+
+def test_zero_bubble_losing_a_weight_gradient_is_rejected(pools):
+    check_strategy_rejected(pools, SPEC, strategy_3d, flags(2, 2, 2, "zb"), ZeroBubbleLosingAWeightGradient)
+
+
+# --- negative controls: the same check must reject a broken 3D trainer ---------------------------
+
+class ReplicasCountedTwice(Parallel3DStrategy):
+    """Clipping norm with every TP replica of the norm weights counted (sqrt(t) too large)."""
+
+    def _counted_segments(self):
+        return [(i, 0, h.shard_numel) for i, h in enumerate(self.handles())]
+
+
+class NoDataParallelAverage(Parallel3DStrategy):
+    """FSDP's reduce-scatter sums the DP shards' gradients and forgets to divide by dp."""
+
+    def forward_backward(self, micro_batches):
+        loss = super().forward_backward(micro_batches)
+        for h in self.handles():
+            if h.flat_param.grad is not None:
+                h.flat_param.grad.mul_(self.mesh3d.dp)
+        return loss
+
+
+@pytest.mark.parametrize("broken", [ReplicasCountedTwice, NoDataParallelAverage])
+def test_broken_3d_trainer_is_rejected(pools, broken):
+    check_strategy_rejected(pools, SPEC, strategy_3d, flags(2, 2, 2, sp=False), broken)
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+def validate_argv(argv: list[str], world_size: int):
+    return train3d.validate(train3d.parse_args(argv), world_size)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dp", "2", "--pp", "2", "--tp", "4"], r"--dp 2 × --pp 2 × --tp 4 = 16 != world size 8"),
+    (["--pp", "3"], r"world size 8 is not divisible by --pp 3 × --tp 1 = 3"),
+    (["--tp", "8", "--model", "tiny"], r"--tp 8: n_heads=4 is not divisible by the TP size 8"),
+    (["--tp", "2", "--sequence-parallel", "--seq-len", "63"], r"sequence length divisible by 2"),
+    (["--pp", "8", "--schedule", "interleaved", "--microbatches", "8"], r"virtual stages"),
+    (["--pp", "2", "--schedule", "pipedream"], r"--schedule 'pipedream' is unknown"),
+    (["--activation-checkpointing", "some"], r"use one of none, full, selective"),
+    (["--pp", "2", "--schedule", "zb", "--activation-checkpointing", "full"],
+     r"--schedule zb with --activation-checkpointing full"),
+    (["--check", "--lr-schedule", "cosine"], r"reference trains at a constant LR"),
+    (["--dp", "2", "--pp", "2", "--tp", "2", "--global-batch", "6"],
+     r"--global-batch 6 gives 3 sequences per data-parallel rank"),
+])
+def test_bad_input_fails_on_every_rank_before_any_collective(pools, argv, message):
+    with pytest.raises(RankError, match=message) as info:
+        pools.run(8, validate_argv, argv, 8)
+    assert sorted(info.value.errors) == list(range(8))
+
+
+# --- communication: the closed form against the meter -----------------------------------------
+
+def metered_step(spec: TrainSpec, chapter_flags: dict) -> tuple[float, float]:
+    from common.comm import CommMeter
+    from common.data import split_inputs_targets  # noqa: F401  (the loop's own micro-batching)
+    from common.training import rank_micro_batches
+
+    strategy = strategy_3d(spec, chapter_flags)
+    micro = rank_micro_batches(strategy, spec.data().global_batch(0, spec.global_batch),
+                               spec.micro_batch, torch.device("cpu"))
+    with CommMeter() as meter:
+        strategy.forward_backward(micro)
+        strategy.step()
+        strategy.zero_grad()
+    return meter.bytes_sent, strategy.formulas(1)[0]
+
+
+@pytest.mark.parametrize("chapter, mixed", [
+    (flags(2, 2, 2, "1f1b"), False),
+    (flags(2, 2, 2, "interleaved", 2, sp=True, ac="full"), False),
+    (flags(2, 2, 2, "gpipe", sp=True, ac="selective", sharding="SHARD_GRAD_OP"), True),
+    (flags(2, 1, 4, sp=True, sharding="NO_SHARD"), False),
+    (flags(2, 2, 2, "zb", sp=True), False),
+])
+def test_comm_formula_equals_the_meter(pools, chapter, mixed):
+    spec = TrainSpec(**{**SPEC.__dict__, "dp": chapter["dp"], "global_batch": chapter["dp"] * 4,
+                        "dtype": "float32" if mixed else "float64",
+                        "mixed_precision": "bf16" if mixed else "none"})
+    for measured, formula in pools.run(8, metered_step, spec, chapter):
+        assert measured == pytest.approx(formula, rel=1e-12), (measured, formula)
+
+
+# --- activations: the per-rank formula against the ledger ----------------------------------
+
+def measured_activations(spec: TrainSpec, chapter_flags: dict) -> tuple[float, float]:
+    from common.training import rank_micro_batches
+
+    strategy = strategy_3d(spec, chapter_flags)
+    micro = rank_micro_batches(strategy, spec.data().global_batch(0, spec.global_batch),
+                               spec.micro_batch, torch.device("cpu"))
+    with strategy.activation_meter() as meter:
+        strategy.forward_backward(micro)
+    return meter.peak_bytes, strategy.activation_formula()
+
+
+@pytest.mark.parametrize("chapter", [
+    flags(2, 2, 2, "1f1b"),
+    flags(2, 2, 2, "gpipe", sp=True, ac="selective"),
+    flags(1, 2, 4, "interleaved", 2, sp=True, ac="full"),
+    flags(2, 2, 2, "zb", sp=True),
+])
+def test_activation_formula_within_10_percent_of_the_ledger(pools, chapter):
+    """The planner's per-block count (memory_model) held by the schedule's live micro-batches,
+    against the saved-tensor ledger of every rank (gathered weights excluded)."""
+    cfg = LlamaConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16)
+    spec = TrainSpec(cfg=cfg, world_size=8, dp=chapter["dp"], global_batch=chapter["dp"] * 8,
+                     micro_batch=2, seq_len=16, steps=1)
+    for measured, formula in pools.run(8, measured_activations, spec, chapter):
+        assert measured == pytest.approx(formula, rel=0.1), (measured, formula)
