@@ -10,9 +10,12 @@ graph of one chunk's forward:
         the two paths part (the mm of a linear, the mul of a norm's weight). Hook those nodes,
         run autograd.grad(y → x, retain_graph=True): autograd computes only what dX needs, and the
         hooks catch dY at each parting node.
-    W:  run backward from those nodes with the caught dY's, into the parameters only: the dW
-        GEMMs and nothing else; gradients accumulate through AccumulateGrad as usual (so hooks of
-        wrappers like FSDP fire).
+    W:  from each parting node, with the dY caught there, compute only the gradient flowing into
+        its weight-side inputs (the dW GEMM and nothing else); then one backward from all those
+        edges into the leaves, so each leaf's AccumulateGrad, and a wrapper's hook on it, fires
+        once. The leaves are whatever autograd saw: under FSDP the modules' weights are views of
+        one gathered flat tensor per unit, shared by many weights, which is why W never walks
+        into the input's side (from there it would reach the same leaf again).
 
 This is what torch.distributed.pipelining's stage_backward_input/stage_backward_weight do; on the
 first stage there is no x, so B is empty and W is the whole backward.
@@ -27,11 +30,12 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 
 class WeightGradState:
-    """What B leaves for W: per parting node, its edges, the gradients caught there, and the
-    parameters reachable from it through weight-only nodes."""
+    """What B leaves for W: per parting node, its output edges, the gradients caught there, and
+    the edges into its weight-only children; and the leaves those children lead to."""
 
     def __init__(self) -> None:
-        self.groups: list[tuple[list[GradientEdge], list[torch.Tensor], list[torch.Tensor]]] = []
+        self.groups: list[tuple[list[GradientEdge], list[torch.Tensor], list[GradientEdge]]] = []
+        self.leaves: list[torch.Tensor] = []
 
 
 def _graph(root) -> list:
@@ -51,20 +55,26 @@ def _graph(root) -> list:
 
 
 def backward_input(y: torch.Tensor, x: torch.Tensor, grad_y: torch.Tensor | None,
-                   params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, WeightGradState]:
-    """B: ∂L/∂x only; returns it with the state that `backward_weight` needs. (A parameter used
-    on both sides of a parting node, e.g. tied weights inside one chunk, is not supported.)"""
+                   params: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, WeightGradState]:
+    """B: ∂L/∂x only; returns it with the state that `backward_weight` needs. `params`: the leaves
+    W differentiates; default: every leaf of the graph but x (what autograd saw, e.g. FSDP's
+    gathered flat tensors rather than the module's sharded parameters). (A weight used on both
+    sides of a parting node, e.g. tied weights inside one chunk, is not supported.)"""
     x_node = get_gradient_edge(x).node
-    param_of = {get_gradient_edge(p).node: p for p in params}
+    order = _graph(y.grad_fn)
+    if params is None:
+        param_of = {n: n.variable for n in order if hasattr(n, "variable") and n is not x_node}
+    else:
+        param_of = {get_gradient_edge(p).node: p for p in params}
     to_x, weights = {}, {}  # node → leads to x; node → parameters it leads to without passing x
-    for node in _graph(y.grad_fn):
+    for node in order:
         children = [c for c, _ in node.next_functions if c is not None]
         to_x[node] = node is x_node or any(to_x[c] for c in children)
         weights[node] = ({param_of[node]} if node in param_of else set()).union(
             *(weights[c] for c in children if not to_x[c]))
-    parting = {n: [p for c, _ in n.next_functions if c is not None and not to_x[c] for p in weights[c]]
+    parting = {n: [(c, k) for c, k in n.next_functions if c is not None and not to_x[c] and weights[c]]
                for n in to_x if to_x[n]}
-    parting = {n: ps for n, ps in parting.items() if ps}
+    parting = {n: children for n, children in parting.items() if children}
     caught: dict = {}
     handles = [n.register_prehook(lambda grads, n=n: caught.setdefault(n, grads) and None) for n in parting]
     try:
@@ -72,16 +82,23 @@ def backward_input(y: torch.Tensor, x: torch.Tensor, grad_y: torch.Tensor | None
     finally:
         for h in handles:
             h.remove()
-    state = WeightGradState()
+    state, leaves = WeightGradState(), {}
     for node, node_grads in caught.items():
         edges = [GradientEdge(node, k) for k, g in enumerate(node_grads) if g is not None]
         grads = [g for g in node_grads if g is not None]
-        state.groups.append((edges, grads, list({id(p): p for p in parting[node]}.values())))
+        state.groups.append((edges, grads, [GradientEdge(c, k) for c, k in parting[node]]))
+        leaves.update((id(p), p) for c, _ in parting[node] for p in weights[c])
+    state.leaves = list(leaves.values())
     return x_grad, state
 
 
 def backward_weight(state: WeightGradState) -> None:
-    """W: the parameter gradients from the dY's caught in B, one parting node at a time (so the
-    engine never walks back into the input's side)."""
-    for edges, grads, params in state.groups:
-        torch.autograd.backward(edges, grads, inputs=params, retain_graph=True)
+    """W: dW at each parting node from the dY caught in B (only that node's backward, into its
+    weight-side edges, so the engine never walks back into the input's side), then one backward
+    from all those edges into the leaves: each leaf's AccumulateGrad fires once."""
+    edges, grads = [], []
+    for out_edges, caught, weight_edges in state.groups:
+        edges += weight_edges
+        grads += torch.autograd.grad(out_edges, weight_edges, caught, retain_graph=True)
+    if edges:
+        torch.autograd.backward(edges, grads, inputs=state.leaves, retain_graph=True)

@@ -129,9 +129,8 @@ class PipelineExecutor:
                 x, y = stage_in[key], stage_out[key]
                 if self.schedule.split_backward:  # input gradient only; W later from its state
                     x_grad = None
-                    if stage > 0:
-                        params = [q for q in chunk.parameters() if q.requires_grad]
-                        x_grad, weight_state[key] = backward_input(y, x, grads_out[key], params)
+                    if stage > 0:  # W differentiates the graph's leaves (FSDP: gathered tensors)
+                        x_grad, weight_state[key] = backward_input(y, x, grads_out[key])
                 else:
                     torch.autograd.backward(y, grads_out[key])
                     x_grad = x.grad if stage > 0 else None
@@ -141,9 +140,8 @@ class PipelineExecutor:
             else:  # W: the parameter gradients of a split backward (all of it on stage 0)
                 if key in weight_state:
                     backward_weight(weight_state[key])
-                else:
-                    params = [q for q in chunk.parameters() if q.requires_grad]
-                    torch.autograd.backward(stage_out[key], grads_out[key], inputs=params)
+                else:  # stage 0: no input gradient, so the whole backward is W's
+                    torch.autograd.backward(stage_out[key], grads_out[key])
                 self._release(action, stage_in, stage_out, grads_out, weight_state)
             if action.kind == "F" and not is_last:
                 pending.append((self.schedule.send(self.rank, action), y.detach()))

@@ -59,15 +59,19 @@ def tp_bytes_per_microbatch(cfg, t: int, b: int, s: int, e: int, sp: bool, recom
     return total
 
 
-def fsdp_gathers(actions, root: bool, full_shard: bool) -> int:
-    """Unshards of one unit of a chunk over the step's actions (F/B/W of that chunk, in order)."""
+def fsdp_gathers(actions, root: bool, full_shard: bool, backward: str = "B",
+                 ends: tuple[str, ...] = ("B",)) -> int:
+    """Unshards of one unit of a chunk over the step's actions (F/B/W of that chunk, in order).
+    `backward`: the action whose backward call gathers the weights (ZB-H1: B, but W on stage 0,
+    where B computes nothing; W from the caught dY's needs no weights); `ends`: the actions that
+    end with a backward call, which frees every unit (ZB-H1 stages > 0: B and W)."""
     if full_shard and not root:
-        return sum(a.kind in ("F", "B") for a in actions)
+        return sum(a.kind in ("F", backward) for a in actions)
     count, gathered = 0, False
     for a in actions:
-        if not gathered:
+        if not gathered and a.kind in ("F", backward):
             count, gathered = count + 1, True
-        if a.kind == "B":
+        if a.kind in ends:
             gathered = False  # the end of a backward call frees every unit
     return count
 
@@ -88,14 +92,16 @@ def comm_bytes_per_step(strategy, steps: int) -> float:
                                          args.activation_checkpointing, n_blocks, stage == 0,
                                          stage == sched.n_stages - 1, logit_bytes)
         total += sched.m * per_mb
-        backwards = sum(a.kind == "B" for a in mine)
+        backwards = sum(a.kind == "B" for a in mine)  # = W's under ZB: one reduction each
+        backward = "W" if sched.split_backward and stage == 0 else "B"
+        ends = (("W",) if stage == 0 else ("B", "W")) if sched.split_backward else ("B",)
         for unit in chunk.units():
             h = unit._handle
             if h is None:
                 continue
             full_shard = strategy.sharding.name == "FULL_SHARD"
             if h.shard_world > 1:
-                gathers = fsdp_gathers(mine, unit is chunk, full_shard)
+                gathers = fsdp_gathers(mine, unit is chunk, full_shard, backward, ends)
                 total += gathers * ring(d) * h.padded * h.param_dtype.itemsize
                 total += backwards * ring(d) * h.padded * h.reduce_dtype.itemsize
             elif d > 1:
