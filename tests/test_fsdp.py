@@ -162,7 +162,7 @@ def test_fsdp_on_a_sub_group_equals_single_device(pools, sharding):
 
 
 def torch_fsdp2_strategy(spec: TrainSpec, sharding: str):
-    from fsdp.torch_fsdp2 import TorchFSDP2Strategy
+    from fsdp.train import TorchFSDP2Strategy
     args = spec_args(spec, sharding_strategy=sharding, no_sync=False, no_prefetch=False,
                      impl="torch-fsdp2")
     return TorchFSDP2Strategy(args, init_distributed(), spec.grad_accum)
