@@ -23,11 +23,20 @@ messages in all, and a segment moves on as soon as it has arrived (and, in the r
 been folded in), without waiting for the rest of its chunk: the steps overlap like a bucket
 brigade, and folding one segment overlaps the transfer of the next.
 
+The plan is data: plan.py's `ring_exchanges` lists, per rank and phase, which segment goes out and
+which comes in, group by group; the phases below run exactly that list, and `ring_plan` turns it
+into every rank's P2P groups, which the suite replays under NCCL's rules and compares with what
+real runs post.
+
 Choices, each tested:
 * Each exchange, one segment to the right and one from the left, is issued as one group with
   `dist.batch_isend_irecv`: NCCL needs a send and a receive that must progress together in one
   group (with n = 2 the left and right neighbours are the same peer, and two ungrouped calls on
-  one communicator could each wait for the other). gloo runs the pair as two calls, as before.
+  one communicator could each wait for the other). gloo runs the pair as two calls (its backend
+  does not coalesce), so grouping costs gloo nothing by itself; what it must not do is make a rank
+  wait for its sends: a rank waits only for its receives (in order) and for all its sends at the
+  end of a phase, and the all-gather, whose receives land in their final place, keeps every
+  exchange in flight that has its data.
 * AVG never travels on the wire (gloo on torch 2.5-2.8 mishandles it): SUM, then divide by n.
   AVG of an integer tensor raises, as torch's own gloo all_reduce does.
 * `check=True` (the default) first passes the 32-byte call signature of agreement.py (length,
@@ -39,7 +48,9 @@ Choices, each tested:
 * A received segment lands in a scratch buffer that no pending operation references (`WINDOW` of
   them, in turn; one is reused only after its segment was folded), and is folded into our chunk
   after the receive completed. The all-gather receives straight into the chunk's final place,
-  which nothing reads or sends until that receive has completed.
+  which nothing reads or sends until that receive has completed. On NCCL `wait()` only orders
+  streams: the groups run in issue order on the communicator's stream, and each group waits for
+  the compute stream's folds issued before it.
 * The ring runs synchronously; `async_op=True` returns an already-completed handle, so a DDP that
   uses it does not overlap communication with backward.
 """
@@ -71,6 +82,10 @@ from .agreement import (
 from .agreement import OP_NAMES as OP_NAMES  # re-exported: the ring's callers import them from here
 from .agreement import SUPPORTED_DTYPES as SUPPORTED_DTYPES
 from .agreement import CheckOncePerShape as CheckOncePerShape
+from .plan import Piece, chunk_sizes, ring_exchanges, segment_count
+from .plan import all_gather_chunks as all_gather_chunks  # re-exported: the layout's home is plan.py
+from .plan import chunk_bounds as chunk_bounds
+from .plan import reduce_scatter_chunks as reduce_scatter_chunks
 
 SEGMENT_BYTES = 2 << 20  # pipelining granularity: a chunk travels as segments of at most this
 WINDOW = 2  # exchanges in flight per rank: two scratch buffers, alternating
@@ -80,35 +95,6 @@ _FOLD = {SUM: torch.add, MAX: torch.maximum, MIN: torch.minimum, PRODUCT: torch.
 
 
 # ---------------------------------------------------------------- layout and schedule (pure)
-
-def chunk_sizes(length: int, n: int) -> list[int]:
-    """Chunk i has length//n + (1 if i < length % n else 0) elements (torch.tensor_split's cut)."""
-    return [length // n + (1 if i < length % n else 0) for i in range(n)]
-
-
-def chunk_bounds(length: int, n: int) -> list[tuple[int, int]]:
-    """(start, stop) of each chunk in the flat tensor."""
-    bounds, start = [], 0
-    for size in chunk_sizes(length, n):
-        bounds.append((start, start + size))
-        start += size
-    return bounds
-
-
-def reduce_scatter_chunks(rank: int, step: int, n: int) -> tuple[int, int]:
-    """(chunk sent to the right, chunk received from the left) at reduce-scatter step `step`."""
-    return (rank - 1 - step) % n, (rank - 2 - step) % n
-
-
-def all_gather_chunks(rank: int, step: int, n: int) -> tuple[int, int]:
-    """(chunk sent to the right, chunk received from the left) at all-gather step `step`."""
-    return (rank - step) % n, (rank - 1 - step) % n
-
-
-def segment_count(elements: int, segment_elements: int) -> int:
-    """Messages a chunk of `elements` travels as: ⌈elements / segment⌉, and one if it is empty."""
-    return max(1, -(-elements // segment_elements))
-
 
 def ring_traffic(length: int, element_size: int, rank: int, n: int, phase: str = "all_reduce",
                  segment_bytes: int = SEGMENT_BYTES) -> tuple[int, int]:
@@ -200,15 +186,10 @@ def agree(ring: Ring, check: bool, what: str, local_checks: Callable[[], tuple[t
 
 # ---------------------------------------------------------------- the two phases
 
-def segments(t: torch.Tensor, segment_elements: int) -> list[torch.Tensor]:
-    """`t` as consecutive views of at most `segment_elements` (an empty `t` is one empty view)."""
-    return list(t.split(segment_elements)) if t.numel() else [t]
-
-
 @dataclass
 class Exchange:
-    """One grouped step of a phase: `send` to the right, `recv` from the left (either may be
-    None); `then` runs once both completed. `needs`: the exchange whose receive brings the data
+    """One group of a phase, on tensors: `send` to the right, `recv` from the left (either may be
+    None); `then` runs once both completed; `needs`: the exchange whose receive brings the data
     that `send` sends (-1: none)."""
 
     send: torch.Tensor | None
@@ -219,75 +200,74 @@ class Exchange:
 
 
 def run_exchanges(ring: Ring, exchanges: list[Exchange], window: int) -> None:
-    """Issue the exchanges in order, at most `window` in flight, completing them in order; an
-    exchange is issued only once the one it `needs` has completed (and been folded)."""
-    in_flight: deque = deque()
+    """Issue the exchanges in order. Exchange j goes out only once the receives of exchange
+    `needs` (its send's data) and of exchange j - `window` (the scratch buffer it reuses) have
+    completed and been folded. Receives are completed in order; sends are waited for at the end:
+    nothing writes a segment that was sent during the phase, and a fold that waited for its own
+    send to drain would tie each rank to its right neighbour's pace as well as its left one's."""
+    in_flight: deque = deque()  # (exchange, its receive's work or None), in issue order
+    sends: list = []
 
     def complete() -> None:
-        exchange, works = in_flight.popleft()
-        _wait(works, ring, exchange.label)
+        exchange, work = in_flight.popleft()
+        if work is not None:
+            _wait([work], ring, exchange.label)
         if exchange.then is not None:
             exchange.then()
 
     for j, exchange in enumerate(exchanges):
         while j - len(in_flight) <= max(exchange.needs, j - window):  # j - len: done so far
             complete()
-        in_flight.append((exchange, ring.exchange(exchange.send, exchange.recv)))
+        works = ring.exchange(exchange.send, exchange.recv)  # [send work][, receive work]
+        sends += works[:1] if exchange.send is not None else []
+        in_flight.append((exchange, works[-1] if exchange.recv is not None else None))
     while in_flight:
         complete()
+    _wait(sends, ring, exchanges[-1].label if exchanges else "ring")
+
+
+def _view(chunk: torch.Tensor, piece: Piece) -> torch.Tensor:
+    return chunk[piece.start:piece.stop]
 
 
 def _reduce_scatter_phase(ring: Ring, local: list[torch.Tensor], partials: list[torch.Tensor], op,
                           segment_bytes: int, window: int = WINDOW) -> None:
-    """n-1 steps. At step s the chunk arriving from the left is folded with our `local` copy into
-    `partials[s]`, which travels on at step s+1; `partials[n-2]` ends as chunk `ring.rank` reduced
-    over all ranks (divided by n for AVG). Segment by segment, at most `window` in flight."""
-    n, r = ring.size, ring.rank
+    """n-1 steps of `ring_exchanges("reduce_scatter", …)`. At step s the chunk arriving from the
+    left is folded with our `local` copy into `partials[s]`, which travels on at step s+1;
+    `partials[n-2]` ends as chunk `ring.rank` reduced over all ranks (divided by n for AVG).
+    A received segment lands in one of `window` scratch buffers, in turn."""
+    n = ring.size
     segment = max(1, segment_bytes // local[0].element_size())
     fold = _FOLD[SUM if op == AVG else op]
     scratch = [torch.empty(min(segment, max(c.numel() for c in local)), dtype=local[0].dtype,
                            device=local[0].device) for _ in range(window)]
     exchanges: list[Exchange] = []
-    arrived: dict[tuple[int, int], int] = {}  # (step, segment) → the exchange that received it
-    for step in range(n - 1):
-        sends = segments(local[reduce_scatter_chunks(r, 0, n)[0]] if step == 0 else partials[step - 1],
-                         segment)
-        folds = list(zip(segments(local[reduce_scatter_chunks(r, step, n)[1]], segment),
-                         segments(partials[step], segment), strict=True))
-        for k in range(max(len(sends), len(folds))):
-            j, recv, then = len(exchanges), None, None
-            if k < len(folds):  # fold what arrived with our piece: the partial over ranks c+1 … r
-                local_piece, partial_piece = folds[k]
-                recv = scratch[j % window][: local_piece.numel()]
-                then = partial(fold, recv, local_piece, out=partial_piece)
-                arrived[step, k] = j
-            exchanges.append(Exchange(sends[k] if k < len(sends) else None, recv, then,
-                                      arrived.get((step - 1, k), -1) if k < len(sends) else -1,
-                                      f"ring reduce-scatter step {step + 1}/{n - 1}"))
+    for j, e in enumerate(ring_exchanges("reduce_scatter", ring.rank, [c.numel() for c in local], segment)):
+        recv = then = None
+        if e.recv is not None:  # fold what arrived with our piece: the partial over ranks c+1 … r
+            recv = scratch[j % window][: e.recv.numel]
+            then = partial(fold, recv, _view(local[e.recv.chunk], e.recv),
+                           out=_view(partials[e.step], e.recv))
+        # step s sends on the chunk folded at step s-1 (partials[s-1]); step 0 our own copy
+        source = local[e.send.chunk] if e.send is not None and e.step == 0 else partials[e.step - 1]
+        send = None if e.send is None else _view(source, e.send)
+        exchanges.append(Exchange(send, recv, then, e.needs, e.label(n)))
     run_exchanges(ring, exchanges, window)
     if op == AVG:
         partials[-1].div_(n)
 
 
-def _all_gather_phase(ring: Ring, chunks: list[torch.Tensor], segment_bytes: int,
-                      window: int = WINDOW) -> None:
-    """n-1 steps; `chunks[ring.rank]` must be complete, afterwards every chunk is. Each segment is
-    received straight into its chunk's final place and forwarded at the next step."""
-    n, r = ring.size, ring.rank
+def _all_gather_phase(ring: Ring, chunks: list[torch.Tensor], segment_bytes: int) -> None:
+    """n-1 steps of `ring_exchanges("all_gather", …)`; `chunks[ring.rank]` must be complete,
+    afterwards every chunk is. Each segment is received straight into its chunk's final place,
+    which nothing reads until that receive completed, so no window bounds the exchanges in flight:
+    only `needs` (a segment is sent on once it has arrived) holds an exchange back."""
     segment = max(1, segment_bytes // chunks[0].element_size())
-    exchanges: list[Exchange] = []
-    arrived: dict[tuple[int, int], int] = {}  # (step, segment) → the exchange that received it
-    for step in range(n - 1):
-        sends = segments(chunks[all_gather_chunks(r, step, n)[0]], segment)
-        recvs = segments(chunks[all_gather_chunks(r, step, n)[1]], segment)
-        for k in range(max(len(sends), len(recvs))):
-            if k < len(recvs):
-                arrived[step, k] = len(exchanges)
-            exchanges.append(Exchange(sends[k] if k < len(sends) else None,
-                                      recvs[k] if k < len(recvs) else None, None,
-                                      arrived.get((step - 1, k), -1) if k < len(sends) else -1,
-                                      f"ring all-gather step {step + 1}/{n - 1}"))
-    run_exchanges(ring, exchanges, window)
+    exchanges = [Exchange(None if e.send is None else _view(chunks[e.send.chunk], e.send),
+                          None if e.recv is None else _view(chunks[e.recv.chunk], e.recv),
+                          None, e.needs, e.label(ring.size))
+                 for e in ring_exchanges("all_gather", ring.rank, [c.numel() for c in chunks], segment)]
+    run_exchanges(ring, exchanges, max(1, len(exchanges)))
 
 
 # ---------------------------------------------------------------- the collectives

@@ -16,13 +16,18 @@ The core files import only torch (copy them out):
                    layer_partition(n_layers, n_stages, partition) for validation and accounting.
     executor.py    PipelineExecutor(schedule, rank, chunks, loss_fn, activation_shape, dtype,
                    device, pp_group=None, after_backward=None).run(inputs, targets) -> the
-                   batch-mean loss on the last stage's rank, None elsewhere. `rank` is the rank
+                   batch-mean loss on the last stage's rank (a 0-dim tensor: read it once per
+                   step), None elsewhere. It posts exactly p2p.exchanges' groups. `rank` is the rank
                    in pp_group (peers are mapped to global ranks with dist.get_global_rank);
                    loss_fn(output, targets) is any callable (e.g. a vocab-parallel loss); the
                    executor divides by m exactly once (scale_loss). Gradients accumulate through
                    plain autograd (hooks of wrappers like FSDP fire); after_backward(chunk, mb,
                    last) runs after each chunk backward (W for zb). .timeline holds the last
-                   step's Intervals (time.perf_counter seconds).
+                   step's Intervals in seconds (host clock on CPU; CUDA events on a GPU, read
+                   after one synchronize when .timeline is read).
+    p2p.py         the communication plan as data: segments(schedule, rank), exchanges(schedule,
+                   rank) (the groups the executor posts), p2p_plan(schedule, nbytes) -> {rank:
+                   [[(kind, peer, nbytes, label), ...], ...]} for common/p2p_plan.find_deadlock.
     backward_split.py  backward_input(y, x, grad_y, params) -> (x_grad, state) and
                    backward_weight(state): zero-bubble's B and W without recomputation.
     simulator.py   simulate(schedule, costs=None) -> [Interval] with unit costs (F=1, B=2; ZB:
@@ -36,6 +41,7 @@ rank, partition)`, the comm formula; `bench.py`: against torch.distributed.pipel
 """
 
 from .executor import PipelineExecutor
+from .p2p import p2p_plan
 from .schedules import SCHEDULES, Action, Message, Schedule, make_schedule, schedule_error
 from .simulator import bubble_formula, closed_form_bubble, simulate
 from .stage import PipelineStage, layer_partition, partition_error, split_model
@@ -44,5 +50,5 @@ from .timeline import Interval, measured_bubble, render_text, save_png
 __all__ = [
     "SCHEDULES", "Action", "Interval", "Message", "PipelineExecutor", "PipelineStage", "Schedule",
     "bubble_formula", "closed_form_bubble", "layer_partition", "make_schedule", "measured_bubble",
-    "partition_error", "render_text", "save_png", "schedule_error", "simulate", "split_model",
+    "p2p_plan", "partition_error", "render_text", "save_png", "schedule_error", "simulate", "split_model",
 ]

@@ -9,13 +9,15 @@ ours (PipelineExecutor) against ScheduleGPipe, Schedule1F1B, ScheduleInterleaved
 zero-bubble, ScheduleInterleavedZeroBubble (torch has no plain ZB-H1; its interleaved zero-bubble
 schedule with v = 2 is the closest). Rank 0 prints step time per implementation, the ratio
 ours/torch, our measured bubble beside the simulated one, and saves our measured timelines as a
-PNG. torch exposes no per-action timeline, so its bubble is estimated as 1 - (our busy time) /
-(p · its step time), assuming equal compute per action.
+PNG (on a GPU each action is timed by CUDA events on the compute stream, and every step's clock
+is read after a synchronize). torch exposes no per-action timeline, so its bubble is estimated as
+1 - (our busy time) / (p · its step time), assuming equal compute per action.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
@@ -24,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.pipelining as tpp
 
-from common.dist import init_distributed, shutdown
+from common.dist import init_distributed, print0, shutdown, synchronize
 from common.model import build_model, get_config, loss_fn
 from pipeline.executor import PipelineExecutor
 from pipeline.schedules import make_schedule, schedule_error
@@ -98,6 +100,7 @@ def main() -> None:
             dist.barrier()
             start = time.perf_counter()
             executor.run(micro_in, micro_tgt)
+            synchronize(ctx.device)
             t = time.perf_counter() - start
             gathered = [None] * p
             dist.all_gather_object(gathered, executor.timeline)
@@ -113,19 +116,22 @@ def main() -> None:
                 dist.barrier()
                 start = time.perf_counter()
                 torch_step(theirs, theirs_chunks, tokens)
+                synchronize(ctx.device)
                 t = time.perf_counter() - start
                 if step:
                     t_theirs.append(t)
                 for c in theirs_chunks:
                     c.zero_grad(set_to_none=True)
         times = torch.tensor([statistics.median(t_ours), statistics.median(t_theirs) if t_theirs else 0.0],
-                             dtype=torch.float64)
+                             dtype=torch.float64, device=ctx.device)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)  # the step takes as long as its slowest rank
         ours_t, theirs_t = times.tolist()
         busy_mean = statistics.median(busy)
         rows.append((name, schedule.v, v, ours_t, theirs_t, statistics.median(bubbles),
                      float(bubble_fraction(simulate(schedule), p)),
                      1 - busy_mean / (p * theirs_t) if theirs_t else float("nan")))
+        # torch's PipelineStage and schedule hold the process group: free them before shutdown
+        del theirs, theirs_chunks, executor, ours_chunks
     if rank == 0:
         print(f"\npipeline bench · {p} ranks · {ctx.backend} on {ctx.device} · model {args.model} · "
               f"m={m} × micro-batch {args.micro_batch} · seq {args.seq_len} · median of {args.steps} steps")
@@ -139,6 +145,10 @@ def main() -> None:
         if args.png and timelines:
             save_png(timelines, args.png)
             print(f"timelines: {args.png}")
+    print0(json.dumps({"bench": "pipeline", "world_size": p, "microbatches": m, "rows": [
+        {"schedule": name, "v": v_ours, "ours_s": o, "torch_s": t or None,
+         "ratio": o / t if t else None, "bubble": b, "bubble_simulated": s}
+        for name, v_ours, _, o, t, b, s, _ in rows]}))
     shutdown()
 
 

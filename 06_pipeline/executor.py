@@ -10,11 +10,20 @@ and gradients to the neighbouring ranks.
                from the output gradients B caught at the layers' GEMMs: backward_split.py)
 
 Σ_mb ∂(loss_mb / m)/∂θ is the gradient of the mean loss over the whole batch, so a pipeline step
-leaves the same gradients as one big batch on one device. Communication is point-to-point with
-`isend`/`irecv` between pipeline neighbours (ranks of `pp_group`, addressed by group rank): shapes
-are known up front (every message is [micro_batch, seq_len, dim]), so there is no shape handshake.
-Each action's sends are posted together with the next action's receive in one
-`batch_isend_irecv` (Megatron's send_forward_recv_backward pairing). A received tensor always
+leaves the same gradients as one big batch on one device. Communication is point-to-point between
+pipeline neighbours (ranks of `pp_group`, addressed by group rank and posted with global ranks):
+shapes are known up front (every message is [micro_batch, seq_len, dim]), so there is no shape
+handshake. The executor posts exactly the groups of `p2p.exchanges` (one `batch_isend_irecv`
+before each segment: the previous segment's sends with this segment's receives; a forward and
+the backward right after it form one segment in the interleaved steady state, Megatron's
+send_forward_backward_recv_forward_backward) and nothing else, so the plan the suite replays under
+NCCL's rules is the code's. Why it cannot deadlock (p2p.py has the details): under NCCL a send
+finishes only when the peer's receive runs in the peer's current group; a steady-state group also
+receives from each neighbour it sends to, so neighbouring groups finish together, where the old
+pairing left send-only groups that waited on a neighbour blocked the other way round (every
+interleaved steady state deadlocked); tests/test_p2p_plan.py replays all 524 schedule × p ≤ 8 ×
+m ≤ 16 × v ≤ 4 plans and the groups real runs post, and finds no deadlock. Each receive is waited
+for right before the action that needs it, sends by the end of the step. A received tensor always
 lands in a fresh buffer: autograd keeps the stage input of micro-batch k for its backward, so
 receiving micro-batch k+1 into the same memory would silently change k's gradients.
 
@@ -22,7 +31,9 @@ The executor does not look inside a chunk: any module mapping the previous stage
 next stage's input works (tensor-parallel layers, FSDP units). Parameter gradients accumulate
 with the ordinary autograd machinery, so hooks a wrapper registers on them (FSDP's reduce-scatter)
 fire as usual; `after_backward(chunk, microbatch, last)` runs after each backward (B, or W when
-split) of a chunk, `last` = True on the chunk's final one of the step.
+split) of a chunk, `last` = True on the chunk's final one of the step. The loss is summed as a
+tensor (no host sync per micro-batch); `timeline` times each action with CUDA events on the
+compute stream on a GPU (read once, after the step), with the host clock on CPU.
 """
 
 from __future__ import annotations
@@ -34,7 +45,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .backward_split import WeightGradState, backward_input, backward_weight
+from .backward_split import backward_input, backward_weight
+from .p2p import Exchange, exchanges, segments
 from .schedules import Action, Message, Schedule
 from .timeline import Interval
 
@@ -55,7 +67,10 @@ class PipelineExecutor:
         self.schedule, self.rank, self.chunks, self.loss_fn = schedule, rank, list(chunks), loss_fn
         self.shape, self.dtype, self.device = tuple(activation_shape), dtype, device
         self.group, self.after_backward = pp_group, after_backward
-        self.timeline: list[Interval] = []  # this rank's actions of the last step (perf_counter s)
+        self.segments, self.exchanges = segments(schedule, rank), exchanges(schedule, rank)
+        self._timeline: list[Interval] = []
+        self._cuda_events = device.type == "cuda"  # time actions with events, not the host clock
+        self._events: tuple | None = None  # CUDA: (host origin, origin event, [(action, start, end)])
         self._last_backward = {}
         release = "W" if schedule.split_backward else "B"
         for action in schedule.actions[rank]:
@@ -75,87 +90,148 @@ class PipelineExecutor:
     def _peer(self, pipeline_rank: int) -> int:
         return pipeline_rank if self.group is None else dist.get_global_rank(self.group, pipeline_rank)
 
-    def _exchange(self, sends: list[tuple[Message, torch.Tensor]],
-                  recv: Message | None) -> torch.Tensor | None:
-        """Post `sends` and the receive of `recv` as one batch; wait for the receive only (the
-        sends complete in the background and are waited for by the end of the step)."""
-        ops = [dist.P2POp(dist.isend, t.contiguous(), self._peer(m.dst), self.group) for m, t in sends]
-        buffer = None
-        if recv is not None:
-            buffer = self.new_buffer(recv)
-            ops.append(dist.P2POp(dist.irecv, buffer, self._peer(recv.src), self.group))
+    def _post(self, exchange: Exchange, outbox: dict[Message, torch.Tensor],
+              inbox: dict[Message, tuple[torch.Tensor, object]]) -> None:
+        """Post one group of the plan: its sends (taken from `outbox`, where the actions left
+        them) and its receives (fresh buffers, into `inbox` with the work to wait for)."""
+        sends = [outbox.pop(m) for m in exchange.sends]
+        buffers = [self.new_buffer(m) for m in exchange.recvs]
+        ops = ([dist.P2POp(dist.isend, t, self._peer(m.dst), self.group)
+                for m, t in zip(exchange.sends, sends, strict=True)]
+               + [dist.P2POp(dist.irecv, b, self._peer(m.src), self.group)
+                  for m, b in zip(exchange.recvs, buffers, strict=True)])
         if not ops:
-            return None
+            return
         works = dist.batch_isend_irecv(ops)
-        if recv is not None:
-            works[-1].wait()
-        self._send_works += [(w, t) for w, (_, t) in zip(works, sends, strict=False)]
+        if len(works) != len(ops):  # NCCL coalesces the group into one work
+            works = works[:1] * len(ops)
+        for message, buffer, work in zip(exchange.recvs, buffers, works[len(sends):], strict=True):
+            inbox[message] = (buffer, work)
         self._send_works = [(w, t) for w, t in self._send_works if not w.is_completed()]
+        self._send_works += list(zip(works[:len(sends)], sends, strict=True))
+
+    def _receive(self, message: Message | None, inbox: dict, local: dict) -> torch.Tensor | None:
+        if message is None:
+            return None
+        if message.src == self.rank:  # chunk c → c+1 on this rank (p = 1): no communication
+            return local.pop(message)
+        buffer, work = inbox.pop(message)
+        work.wait()
         return buffer
 
+    def _deliver(self, message: Message, tensor: torch.Tensor, outbox: dict, local: dict) -> None:
+        if message.dst == self.rank:
+            local[message] = self.new_buffer(message).copy_(tensor)
+        else:
+            outbox[message] = tensor.contiguous()
+
+    # --- timing ------------------------------------------------------------------------------
+    @property
+    def timeline(self) -> list[Interval]:
+        """This rank's actions of the last step, in seconds. CPU: the host clock around each
+        action. CUDA: kernels run after the host launched them, so the host clock would time
+        launches; each action is bracketed by events on the compute stream instead, and read here
+        (one synchronize on the last event) as host-clock seconds: the step-start host time plus
+        the events' elapsed time from the step-start event (ranks that start together after a
+        barrier share an origin)."""
+        if self._events is not None:
+            origin_s, origin, recorded = self._events
+            if recorded:
+                recorded[-1][2].synchronize()
+            self._timeline = [Interval(self.rank, a, origin_s + origin.elapsed_time(s) / 1e3,
+                                       origin_s + origin.elapsed_time(e) / 1e3) for a, s, e in recorded]
+            self._events = None
+        return self._timeline
+
+    def _clock(self):
+        if self._cuda_events:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
     # --- one step ----------------------------------------------------------------------------
-    def run(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> float | None:
+    def run(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """One pipeline step over m micro-batches (inputs are used on stage 0, targets on the
         last stage). Leaves the gradients of the batch-mean loss in the chunks' parameters;
-        returns the batch-mean loss on the rank holding the last stage, None elsewhere."""
+        returns the batch-mean loss (a 0-dim tensor, not synchronized) on the rank holding the
+        last stage, None elsewhere."""
         m = self.schedule.m
         if len(inputs) != m or len(targets) != m:
             raise ValueError(f"{len(inputs)} input and {len(targets)} target micro-batches for a "
                              f"schedule of m = {m}")
-        self.timeline, self._send_works = [], []
-        stage_in: dict[tuple[int, int], torch.Tensor] = {}
-        stage_out: dict[tuple[int, int], torch.Tensor] = {}
-        grads_out: dict[tuple[int, int], torch.Tensor | None] = {}
-        weight_state: dict[tuple[int, int], WeightGradState] = {}
-        pending: list[tuple[Message, torch.Tensor]] = []
-        losses: list[float] = []
-        for action in self.schedule.actions[self.rank]:
-            received = self._exchange(pending, self.schedule.recv(self.rank, action))
-            pending = []
-            start = time.perf_counter()
-            key, chunk = (action.microbatch, action.chunk), self.chunks[action.chunk]
-            stage = self.schedule.stage(self.rank, action.chunk)
-            is_last = stage == self.schedule.n_stages - 1
-            if action.kind == "F":
-                x = inputs[action.microbatch] if stage == 0 else received.requires_grad_()
-                y = chunk(x)
-                if is_last:
-                    loss = self.loss_fn(y, targets[action.microbatch])
-                    losses.append(loss.item())
-                    y = self.scale_loss(loss)
-                stage_in[key], stage_out[key] = x, y
-            elif action.kind == "B":
-                grads_out[key] = None if is_last else received
-                x, y = stage_in[key], stage_out[key]
-                if self.schedule.split_backward:  # input gradient only; W later from its state
-                    x_grad = None
-                    if stage > 0:  # W differentiates the graph's leaves (FSDP: gathered tensors)
-                        x_grad, weight_state[key] = backward_input(y, x, grads_out[key])
+        cuda = self._cuda_events
+        self._send_works, recorded, self._timeline = [], [], []
+        self._events = (time.perf_counter(), self._clock(), recorded) if cuda else None
+        outbox: dict[Message, torch.Tensor] = {}
+        inbox: dict[Message, tuple[torch.Tensor, object]] = {}
+        local: dict[Message, torch.Tensor] = {}
+        self._saved: dict[str, dict] = {"in": {}, "out": {}, "grad": {}, "weight": {}}
+        loss_sum = None
+        for exchange, segment in zip(self.exchanges, self.segments, strict=False):
+            self._post(exchange, outbox, inbox)
+            for action in segment:
+                received = self._receive(self.schedule.recv(self.rank, action), inbox, local)
+                start = self._clock()
+                sent, loss = self._compute(action, received, inputs, targets)
+                if loss is not None:
+                    loss_sum = loss if loss_sum is None else loss_sum + loss
+                if sent is not None:
+                    self._deliver(self.schedule.send(self.rank, action), sent, outbox, local)
+                end = self._clock()
+                if cuda:
+                    recorded.append((action, start, end))
                 else:
-                    torch.autograd.backward(y, grads_out[key])
-                    x_grad = x.grad if stage > 0 else None
-                    self._release(action, stage_in, stage_out, grads_out)
-                if stage > 0:
-                    pending.append((self.schedule.send(self.rank, action), x_grad))
-            else:  # W: the parameter gradients of a split backward (all of it on stage 0)
-                if key in weight_state:
-                    backward_weight(weight_state[key])
-                else:  # stage 0: no input gradient, so the whole backward is W's
-                    torch.autograd.backward(stage_out[key], grads_out[key])
-                self._release(action, stage_in, stage_out, grads_out, weight_state)
-            if action.kind == "F" and not is_last:
-                pending.append((self.schedule.send(self.rank, action), y.detach()))
-            self.timeline.append(Interval(self.rank, action, start, time.perf_counter()))
-        self._exchange(pending, None)
+                    self._timeline.append(Interval(self.rank, action, start, end))
+        self._post(self.exchanges[-1], outbox, inbox)
+        if outbox or inbox or local:
+            raise RuntimeError(f"the executor and its plan (p2p.py) disagree: {outbox, inbox, local}")
         for work, _ in self._send_works:
             work.wait()
         self._send_works = []
-        return sum(losses) / m if losses else None
+        return None if loss_sum is None else loss_sum / m
 
-    def _release(self, action: Action, *saved: dict) -> None:
+    def _compute(self, action: Action, received: torch.Tensor | None, inputs, targets
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Run one action: (the tensor it sends or None, the micro-batch's loss on the last stage)."""
+        key, chunk = (action.microbatch, action.chunk), self.chunks[action.chunk]
+        stage = self.schedule.stage(self.rank, action.chunk)
+        is_last = stage == self.schedule.n_stages - 1
+        saved = self._saved
+        if action.kind == "F":
+            x = inputs[action.microbatch] if stage == 0 else received.requires_grad_()
+            y = chunk(x)
+            loss = None
+            if is_last:
+                loss = self.loss_fn(y, targets[action.microbatch])
+                y = self.scale_loss(loss)
+                loss = loss.detach()
+            saved["in"][key], saved["out"][key] = x, y
+            return (None if is_last else y.detach()), loss
+        if action.kind == "B":
+            saved["grad"][key] = None if is_last else received
+            x, y = saved["in"][key], saved["out"][key]
+            if self.schedule.split_backward:  # input gradient only; W later from its state
+                x_grad = None
+                if stage > 0:  # W differentiates the graph's leaves (FSDP: gathered tensors)
+                    x_grad, saved["weight"][key] = backward_input(y, x, saved["grad"][key])
+            else:
+                torch.autograd.backward(y, saved["grad"][key])
+                x_grad = x.grad if stage > 0 else None
+                self._release(action)
+            return x_grad, None
+        # W: the parameter gradients of a split backward (all of it on stage 0)
+        if key in saved["weight"]:
+            backward_weight(saved["weight"][key])
+        else:  # stage 0: no input gradient, so the whole backward is W's
+            torch.autograd.backward(saved["out"][key], saved["grad"][key])
+        self._release(action)
+        return None, None
+
+    def _release(self, action: Action) -> None:
         """Drop the micro-batch's graph (its activations) and run the caller's hook."""
         key = (action.microbatch, action.chunk)
-        for d in saved:
+        for d in self._saved.values():
             d.pop(key, None)
         if self.after_backward is not None:
             self.after_backward(action.chunk, action.microbatch,

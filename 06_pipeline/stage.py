@@ -90,7 +90,8 @@ def split_model(model: nn.Module, p: int, v: int, rank: int, rope: Rope,
     """Rank `rank`'s chunks [stage rank, stage p + rank, …, stage (v-1)·p + rank] of a model with
     LLaMA's attributes (tok_embeddings, layers, norm, output). `rope(positions, dtype)` gives the
     rotary cos/sin (e.g. functools.partial(common.model.rope_cos_sin, cfg)). The chunks share the
-    model's modules; drop the model afterwards to free the other stages' layers."""
+    model's modules; drop the model afterwards to free the other stages' layers (or split a model
+    built on the meta device and materialize only the chunks: the other layers never exist)."""
     n_layers = len(model.layers)
     if (error := partition_error(n_layers, p, v, partition)) is not None:
         raise ValueError(error)

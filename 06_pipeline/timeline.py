@@ -2,7 +2,9 @@
 and the bubble they show.
 
 An `Interval` is one action on one rank with its start and end (seconds for a real run, unit
-costs for the simulator). The measured bubble fraction of a step is 1 - Σ busy / (p · span),
+costs for the simulator). A real run's seconds come from the executor: the host clock on CPU,
+CUDA events on the compute stream on a GPU (the host clock there would time kernel launches).
+The measured bubble fraction of a step is 1 - Σ busy / (p · span),
 span = first start to last end over all ranks; time a rank spends waiting for a neighbour's
 activation or gradient counts as bubble, like the idle cells of the ideal timeline.
 """

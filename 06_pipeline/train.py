@@ -23,7 +23,7 @@ from common.cli import DTYPES, BatchLayout, base_parser, model_config, require, 
 from common.data import split_inputs_targets
 from common.dist import DistContext
 from common.memory import optimizer_state_tensors, storage_bytes
-from common.model import LlamaConfig, build_model, loss_fn, rope_cos_sin
+from common.model import LlamaConfig, build_model, initializer, loss_fn, materialize, rope_cos_sin
 from common.reference import make_optimizer
 from common.training import Strategy, run_main
 from pipeline.executor import LossFn, PipelineExecutor
@@ -106,9 +106,12 @@ class PipelineStrategy(Strategy):
         p, self.rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
         m, v = args.microbatches, virtual_stages(args)
         self.schedule: Schedule = make_schedule(args.schedule, p, m, v)
-        full = build_model(cfg, args.seed, torch.float32 if self.mixed else DTYPES[args.dtype], ctx.device)
-        self.chunks = build_stages(full, cfg, p, v, self.rank, parse_partition(args.partition))
-        del full
+        # split the model on the meta device, then draw only this rank's layers onto its device
+        meta = build_model(cfg, dtype=torch.float32 if self.mixed else DTYPES[args.dtype], device="meta")
+        self.chunks = build_stages(meta, cfg, p, v, self.rank, parse_partition(args.partition))
+        init = initializer(cfg, args.seed)
+        for chunk in self.chunks:
+            materialize(chunk, init, ctx.device)
         self.model = nn.ModuleList(self.chunks)
         self.names = [n for chunk in self.chunks for n, _ in chunk.named_parameters()]
         params = list(self.model.parameters())
@@ -126,15 +129,17 @@ class PipelineStrategy(Strategy):
         self.timeline_png = getattr(args, "timeline_png", None)
         self.timelines: list = []
 
-    def forward_backward(self, micro_batches: list[torch.Tensor]) -> float | None:
+    def forward_backward(self, micro_batches: list[torch.Tensor]) -> torch.Tensor | None:
         inputs, targets = zip(*(split_inputs_targets(t) for t in micro_batches), strict=True)
-        dist.barrier(group=self.group)  # a common time origin for the timeline (0 bytes)
+        # a common time origin for the timeline (0 bytes; on NCCL the barrier also waits for
+        # the GPU, so the executor's step-start event runs at once)
+        dist.barrier(group=self.group)
         loss = self.executor.run(inputs, targets)
         self.timelines.append(self.executor.timeline)
         if self.mixed:
             for master, q in zip(self.master, self.model.parameters(), strict=True):
                 master.grad, q.grad = (q.grad.float() if q.grad is not None else None), None
-        return loss
+        return loss  # a 0-dim tensor on the last stage (the loop reads it once), else None
 
     def step(self) -> None:
         """Clip by the norm over all stages (each parameter lives on one rank: sum the squares

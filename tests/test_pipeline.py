@@ -10,6 +10,8 @@ import time
 from collections import Counter
 from dataclasses import replace
 from fractions import Fraction
+from itertools import pairwise
+from unittest import mock
 
 import pytest
 import torch
@@ -330,6 +332,55 @@ def test_measured_bubble_is_within_0_1_of_the_simulated_one(pools, schedule, p, 
     simulated = float(bubble_fraction(simulate(make_schedule(schedule, p, m)), p))
     bubbles = pools.run(p, measured_bubbles, schedule, m, 0.03)[0]
     assert abs(statistics.median(bubbles) - simulated) < 0.1, (bubbles, simulated)
+
+
+class FakeCudaEvent:
+    """torch.cuda.Event on a CPU: `record` notes the host clock, `elapsed_time` is in ms."""
+
+    synchronized = 0
+
+    def __init__(self, enable_timing: bool = False):
+        assert enable_timing
+        self.t = None
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end: FakeCudaEvent) -> float:
+        assert self.t is not None and end.t is not None, "read before both events were recorded"
+        return (end.t - self.t) * 1e3
+
+    def synchronize(self) -> None:
+        FakeCudaEvent.synchronized += 1
+
+
+def test_gpu_timeline_uses_events_read_once_and_the_loss_stays_a_tensor():
+    """On CUDA the executor brackets each action with events on the compute stream and converts
+    them when the timeline is read, after one synchronize (here: events faked on CPU, one rank,
+    p = 1 with v = 2, so no process group). The loss comes back as a 0-dim tensor (no .item() in
+    the step) equal to the mean of the micro-batches' losses."""
+    cfg = get_config("tiny", n_layers=2)
+    chunks = build_stages(build_model(cfg, 0, torch.float64), cfg, 1, 2, 0)
+    executor = PipelineExecutor(make_schedule("interleaved", 1, 3, 2), 0, chunks, loss_fn,
+                                (1, 4, cfg.dim), torch.float64, torch.device("cpu"))
+    executor._cuda_events = True
+    tokens = SyntheticTokens(cfg.vocab_size, 4).global_batch(0, 3)
+    inputs, targets = split_inputs_targets(tokens)
+    FakeCudaEvent.synchronized = 0
+    with mock.patch("torch.cuda.Event", FakeCudaEvent):
+        before = time.perf_counter()
+        loss = executor.run(list(inputs.split(1)), list(targets.split(1)))
+        after = time.perf_counter()
+        assert FakeCudaEvent.synchronized == 0  # nothing waits inside the step
+        timeline = executor.timeline
+    assert FakeCudaEvent.synchronized == 1 and executor.timeline == timeline
+    assert [i.action for i in timeline] == list(executor.schedule.actions[0])
+    assert all(before <= i.start <= i.end <= after + 1e-3 for i in timeline)
+    assert all(a.end <= b.start + 1e-6 for a, b in pairwise(timeline))
+    assert isinstance(loss, torch.Tensor) and loss.dim() == 0 and not loss.requires_grad
+    model = build_model(cfg, 0, torch.float64)
+    expected = sum(loss_fn(model(x), y) for x, y in zip(inputs.split(1), targets.split(1), strict=True)) / 3
+    assert abs(loss.item() - expected.item()) < 1e-12
 
 
 # --- bad input: refused on every rank before any send -------------------------------------------

@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from common.comm import CommMeter, all_gather_single
 from common.dist import init_distributed
 from common.model import get_config
+from common.p2p_plan import P2PRecorder, as_op, find_deadlock, plan_from_records
 from common.training import run
 from ring_allreduce import bench as ring_bench
 from ring_allreduce import ring as ring_module
@@ -38,6 +39,7 @@ from ring_allreduce import train as ring_train
 from ring_allreduce.agreement import CHECK_BYTES
 from ring_allreduce.cost_model import AlphaBeta, fit, naive_terms, ring_terms
 from ring_allreduce.naive import naive_all_reduce, naive_bytes_sent
+from ring_allreduce.plan import ring_plan
 from ring_allreduce.ring import (
     AVG,
     MAX,
@@ -320,39 +322,104 @@ def test_naive_root_sends_and_receives_n_minus_1_times_the_data(pools, world, le
     assert per_rank[0]["send"]["bytes"] == (world - 1) * (size + extra)
 
 
-def record_exchanges(length: int, segment_bytes: int, check: bool) -> dict:
-    """Every batch_isend_irecv the ring issues, as [(op name, peer)], with the meter's message
-    count (which also sees any isend issued outside a batch)."""
-    batches, original = [], dist.batch_isend_irecv
+# ---------------------------------------------------------------- the plan under NCCL's rules
 
-    def recording(ops):
-        batches.append([(op.op.__name__, op.peer) for op in ops])
-        return original(ops)
-
-    dist.batch_isend_irecv = recording
-    try:
-        with CommMeter() as meter:
-            ring_all_reduce(torch.ones(length), check=check, segment_bytes=segment_bytes)
-    finally:
-        dist.batch_isend_irecv = original
-    return {"batches": batches, "isend": meter.calls("isend"), "irecv": meter.calls("irecv")}
+def unlabelled(plan: dict) -> dict:
+    """{rank: [[(kind, peer, nbytes), …], …]}: what a recording can be compared with."""
+    return {rank: [[(as_op(op).kind, as_op(op).peer, as_op(op).nbytes) for op in group] for group in groups]
+            for rank, groups in plan.items()}
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_each_exchange_is_one_group_of_a_send_right_and_a_receive_left(pools, world):
-    """NCCL needs a send and a receive that must progress together issued as one group; with n = 2
-    both go to the same peer. Every message the ring sends travels inside such a group."""
-    per_rank = pools.run(world, record_exchanges, 4 * world + 1, 8, True)
-    for rank, r in enumerate(per_rank):
-        right, left = (rank + 1) % world, (rank - 1) % world
-        in_batches = [op for batch in r["batches"] for op in batch]
-        assert r["isend"] == sum(name == "isend" for name, _ in in_batches) > 0  # none outside a batch
-        assert r["irecv"] == sum(name == "irecv" for name, _ in in_batches)
-        for batch in r["batches"]:
-            assert sorted(batch) == sorted({("isend", right), ("irecv", left)} & set(batch)), batch
-            assert len(batch) == len(set(batch)) >= 1
-        paired = sum(len(batch) == 2 for batch in r["batches"])
-        assert paired >= len(r["batches"]) - 2 * (world - 1), "uneven chunks unpair at most a segment"
+RING_PLAN_CASES = [(collective, n, length, segment)
+                   for n in range(2, 9) for length in (0, 1, n - 1, 3 * n + 1, 7 * n + 3)
+                   for segment in (1, 3) for collective in ("all_reduce", "reduce_scatter", "all_gather")
+                   if collective == "all_reduce" or (length, segment) == (3 * n + 1, 1)]
+
+
+def test_ring_plan_is_deadlock_free_under_nccl_rules_and_sends_the_formula_bytes():
+    """n = 2 … 8, lengths 0, 1, < n, uneven; each chunk in one or several segments; the call check
+    first. Every group is at most one send to the right and one receive from the left, and a
+    rank's sends add up to ring_traffic's bytes and messages."""
+    for collective, n, length, segment in RING_PLAN_CASES:
+        plan = ring_plan(collective, chunk_sizes(length, n), 4, 4 * segment, check=True)
+        assert find_deadlock(plan) is None, (collective, n, length, segment, str(find_deadlock(plan)))
+        for rank, groups in plan.items():
+            for group in groups:
+                assert {(kind, peer) for kind, peer, *_ in group} <= {("send", (rank + 1) % n),
+                                                                      ("recv", (rank - 1) % n)}
+                assert len(group) == len({kind for kind, *_ in group}) >= 1
+            data = [op for group in groups[n - 1:] for op in group if op[0] == "send"]  # after the check
+            assert (sum(op[2] for op in data), len(data)) == ring_traffic(length, 4, rank, n, collective,
+                                                                          4 * segment)
+
+
+@given(sizes=st.lists(st.integers(0, 9), min_size=2, max_size=8), segment=st.integers(1, 4),
+       collective=st.sampled_from(["all_reduce", "reduce_scatter", "all_gather"]))
+def test_ring_plan_is_deadlock_free_for_any_chunk_sizes(sizes, segment, collective):
+    """Beyond tensor_split's layout (chunks within one element of each other): any sizes."""
+    deadlock = find_deadlock(ring_plan(collective, sizes, 2, 2 * segment))
+    assert deadlock is None, str(deadlock)
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_negative_control_ungrouped_or_late_receives_deadlock(n):
+    """The checker sees what gloo hides: the same messages with each send in a group of its own
+    ahead of its receive (two isend/irecv calls), or each receive posted one group late, hang on
+    NCCL: every rank waits in a send for a neighbour that is itself stuck sending."""
+    plan = ring_plan("all_reduce", chunk_sizes(4 * n + 1, n), 4, 8, check=True)
+    ungrouped = {rank: [[op] for group in groups for op in group] for rank, groups in plan.items()}
+    late = {}
+    for rank, groups in plan.items():
+        moved = [[op for op in group if op[0] == "send"] for group in groups] + [[]]
+        for j, group in enumerate(groups):
+            moved[j + 1] += [op for op in group if op[0] == "recv"]
+        late[rank] = [group for group in moved if group]
+    for broken in (ungrouped, late):
+        deadlock = find_deadlock(broken)
+        assert deadlock is not None and deadlock.reason == "deadlock", deadlock
+        assert sorted(deadlock.stuck) == list(range(n)), str(deadlock)
+        assert all(pending[0].kind == "send" for _, _, pending in deadlock.stuck.values()), str(deadlock)
+
+
+def record_ring_collectives() -> list[dict]:
+    """The P2P groups each collective really posts (P2PRecorder around it), in call order: an
+    all-reduce with the call check, a reduce-scatter and an all-gather (uneven, several segments
+    a chunk), and an all-reduce on the subgroup {0, 2, 3}."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    subgroup, recorded = dist.new_group([0, 2, 3]), []
+    calls = [lambda: ring_all_reduce(torch.ones(4 * n + 3), segment_bytes=8),
+             lambda: ring_reduce_scatter(torch.empty(chunk_sizes(3 * n + 2, n)[rank], dtype=torch.float64),
+                                         torch.ones(3 * n + 2, dtype=torch.float64), segment_bytes=16),
+             lambda: ring_all_gather(torch.empty(2 * n + 1, dtype=torch.int8),
+                                     torch.ones(chunk_sizes(2 * n + 1, n)[rank], dtype=torch.int8),
+                                     check=False, segment_bytes=1)]
+    if rank in (0, 2, 3):
+        calls.append(lambda: ring_all_reduce(torch.ones(5, dtype=torch.bfloat16), group=subgroup,
+                                             segment_bytes=2))
+    for call in calls:
+        with P2PRecorder() as recorder:
+            call()
+        recorded.append(dict(recorder.groups))
+    dist.destroy_process_group(subgroup)
+    return recorded
+
+
+def test_recorded_ring_groups_are_the_plan_and_deadlock_free(pools):
+    """Plan and code cannot drift: what real gloo runs post, per rank and communicator, is exactly
+    `ring_plan`'s groups (global peers), and replays without a deadlock under NCCL's rules."""
+    per_rank, n = pools.run(4, record_ring_collectives), 4
+    expected = [((0, 1, 2, 3), ring_plan("all_reduce", chunk_sizes(4 * n + 3, n), 4, 8, check=True)),
+                ((0, 1, 2, 3), ring_plan("reduce_scatter", chunk_sizes(3 * n + 2, n), 8, 16, check=True)),
+                ((0, 1, 2, 3), ring_plan("all_gather", chunk_sizes(2 * n + 1, n), 1, 1)),
+                ((0, 2, 3), ring_plan("all_reduce", chunk_sizes(5, 3), 2, 2, check=True, ranks=[0, 2, 3]))]
+    for call, (ranks, plan) in enumerate(expected):
+        records = [r[call] if call < len(r) else {} for r in per_rank]
+        if ranks != (0, 1, 2, 3):
+            records = [r[-1] if rank in ranks else {} for rank, r in enumerate(per_rank)]
+        recorded = plan_from_records(records)
+        assert list(recorded) == [ranks], f"call {call}: P2P on {list(recorded)}, expected only {ranks}"
+        assert unlabelled(recorded[ranks]) == unlabelled(plan), f"call {call}: posted groups are not the plan"
+        assert find_deadlock(recorded[ranks]) is None
 
 
 def check_once_per_shape(lengths: list[int]) -> list[int]:
@@ -634,7 +701,11 @@ def test_bench_measures_every_cell_and_plots(pools, tmp_path, capsys):
     assert (tmp_path / "bw.png").stat().st_size > 10_000
     assert {a: set(per_n) for a, per_n in summary["fit"].items()} == {
         a: {"2", "4"} for a in ("ring", "naive", "builtin")}
-    assert "alpha-beta fit" in capsys.readouterr().out
+    assert "alpha-beta fit, T =" in capsys.readouterr().out
+    one_size = ring_bench.report([r for r in rows if r["size"] == 4096], ["ring", "naive", "builtin"],
+                                 str(tmp_path / "one.png"), 4)  # `--sizes 4K`: nothing to fit
+    assert one_size["fit"] == {} and "alpha-beta fit skipped" in capsys.readouterr().out
+    assert (tmp_path / "one.png").stat().st_size > 10_000
     args = ring_bench.parse_args(["--sizes", "4K,1M,2G", "--worlds", "2,4"])
     assert ring_bench.validate(args, 4) == ([4096, 2**20, 2**31], [2, 4], ["ring", "naive", "builtin"])
     with pytest.raises(ValueError, match=r"--worlds 2,8: each group size must be between 2 and the 4"):
