@@ -25,7 +25,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from common.cli import DTYPES
 from common.data import SyntheticTokens, local_micro_batches, split_inputs_targets
-from common.dist import LaunchError, env_world_size, init_distributed, print0, shutdown
+from common.dist import LaunchError, env_world_size, init_distributed, print0, shutdown, synchronize
 from common.memory import model_state_bytes, storage_bytes
 from common.model import CONFIGS, build_model, count_parameters, get_config, loss_fn
 from common.reference import make_optimizer
@@ -152,20 +152,21 @@ def main(argv: list[str] | None = None) -> None:
         for k in range(len(STRATEGIES)):
             s = STRATEGIES[(r + k) % len(STRATEGIES)]
             run = runs[s]
+            synchronize(ctx.device)
             dist.barrier()
             start = time.perf_counter()
             loss_fn(run(inputs), targets).backward()
             run.step()
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize()
+            synchronize(ctx.device)
             elapsed = time.perf_counter() - start
             memory[s] = run.memory()
             run.zero_grad()
             if r >= args.warmup:
                 times[s].append(elapsed)
 
-    slowest = torch.tensor([times[s] for s in STRATEGIES], dtype=torch.float64)
+    slowest = torch.tensor([times[s] for s in STRATEGIES], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    del runs, run, model  # free torch DDP and ZeroRedundancyOptimizer while the group lives
     median = {s: statistics.median(slowest[i].tolist()) for i, s in enumerate(STRATEGIES)}
     stage1 = median["zero-1"] / median["torch-zero-1"]
     stage3 = median["zero-3"] / median["zero-0"]
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     met = stage1 <= TARGET
     print0(f"zero-1 / torch ZeroRedundancyOptimizer {stage1:.3f} (target ≤ {TARGET}: "
            f"{'met' if met else 'MISSED'}) · zero-3 / zero-0 {stage3:.3f} (stage 3 all-gathers every "
-           "module twice per step, blocking before its compute unless the prefetch hides it)")
+           "unit, a block, twice per step, blocking before its compute unless the prefetch hides it)")
     if ctx.is_main and args.png:
         plot(median, memory, title, args.png)
     print0(json.dumps({

@@ -16,9 +16,11 @@ bucket, in bucket order on every rank, and waited for in an autograd end-of-back
 a plain `loss.backward()` leaves the reduced shard in place (SUM, then divide by N: never AVG).
 Clipping uses the true global norm ‖g‖ = sqrt(Σ_ranks Σ_shard g²), one scalar all-reduce. After
 the step the owners' slices are all-gathered back into every rank's flat parameters (stage 3
-re-gathers each module when it next runs instead: see [`stage3.py`](stage3.py)).
-`offload_optimizer: cpu` keeps master, states and the step on the CPU; on a CPU-only run that is
-the device already, so the copies are skipped but the path is the same. Depends only on torch.
+re-gathers each unit, a transformer block or a module the blocks leave out, when it next runs
+instead: see [`stage3.py`](stage3.py)). `offload_optimizer: cpu` keeps master, states and the
+step on the CPU: on a GPU in exact-size page-locked buffers allocated once, the step on this
+rank's share of the host's cores ([`offload.py`](offload.py)); on a CPU-only run that is the
+device already, so the copies are skipped but the path is the same. Depends only on torch.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import ZeroConfig
-from .flat import FlatGroup, assign_buckets, make_groups, module_units
+from .flat import FlatGroup, UnitPolicy, assign_buckets, make_groups, module_units
+from .offload import host_step_threads, pinned_empty
 from .stage3 import ParameterPartitioner
 
 
@@ -48,11 +51,19 @@ class ZeroEngine:
     """Wraps `module` (its parameters become views of flat buffers) and builds the optimizer over
     this rank's master shards with `optimizer_fn(list_of_tensors)`. Use it like DeepSpeed's engine:
     `loss = loss_fn(engine(x), y) / k; loss.backward()` for k micro-batches, then `engine.step()`
-    and `engine.zero_grad()`. `process_group` is the data-parallel group (default: world)."""
+    and `engine.zero_grad()`. `process_group` is the data-parallel group (default: world).
+    `unit_policy(module) -> bool` picks stage 3's units, each gathered whole (e.g.
+    `lambda m: isinstance(m, TransformerBlock)`; default: the items of every `nn.ModuleList`;
+    see `flat.module_units`). A module built on the meta device needs `param_init_fn(name)`, the
+    full initial values of each parameter, and `device`: the flat buffers are filled one group at
+    a time, so at stage 3 a rank never holds more than its shards and one unit (twice: the values
+    and their cast copy)."""
 
     def __init__(self, module: nn.Module, optimizer_fn: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
                  config: ZeroConfig | None = None, process_group=None,
-                 gradient_accumulation_steps: int | None = None):
+                 gradient_accumulation_steps: int | None = None, unit_policy: UnitPolicy | None = None,
+                 param_init_fn: Callable[[str], torch.Tensor] | None = None,
+                 device: torch.device | None = None):
         self.module, self.config, self.group = module, config or ZeroConfig(), process_group
         config = self.config
         self.stage, self.world, self.rank = config.stage, dist.get_world_size(process_group), \
@@ -61,7 +72,8 @@ class ZeroEngine:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the module has no parameters that require gradients")
-        param_dtype, self.device = named[0][1].dtype, named[0][1].device
+        param_dtype, self.device = named[0][1].dtype, torch.device(device or named[0][1].device)
+        self.param_init_fn = param_init_fn
         if config.bf16 and param_dtype != torch.float32:
             raise ValueError(f"bf16 mixed precision takes an fp32 model (the fp32 master weights "
                              f"come from it); got {param_dtype}")
@@ -76,7 +88,7 @@ class ZeroEngine:
                                       shard_world, shard_rank)
             self.units: list[tuple[nn.Module, FlatGroup]] = []
         else:
-            units = module_units(module, config.param_persistence_threshold)
+            units = module_units(module, config.param_persistence_threshold, unit_policy)
             self.groups = make_groups([m for _, m, _ in units], self.world, self.rank,
                                       [persistent for *_, persistent in units])
             self.units = [(mod, g) for (mod, _, _), g in zip(units, self.groups, strict=True)]
@@ -93,10 +105,12 @@ class ZeroEngine:
         self.partitioner = ParameterPartitioner(self) if self.stage == 3 else None
 
     # --- layout -------------------------------------------------------------------------------
-    def _pinned(self, t: torch.Tensor) -> torch.Tensor:
-        """Page-locked host memory (asynchronous copies) when a GPU computes and `t` is on the host."""
-        pin = self.config.pin_memory and t.device.type == "cpu" and self.device.type == "cuda"
-        return t.pin_memory() if pin else t
+    def _empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A buffer allocated once per engine: on the host for a GPU, page-locked at its exact size
+        (asynchronous copies; `tensor.pin_memory()` would round it up to a power of two)."""
+        if self.config.pin_memory and device.type == "cpu" and self.device.type == "cuda":
+            return pinned_empty(numel, dtype)
+        return torch.empty(numel, dtype=dtype, device=device)
 
     def _build_buffers(self, param_dtype: torch.dtype) -> None:
         """Flat parameters (broadcast from the group's rank 0 so every replica starts equal), this
@@ -104,7 +118,8 @@ class ZeroEngine:
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         shard_grads = []
         for g in self.groups:
-            values = g.full_values(param_dtype)  # the model's own values: fp32 masters are exact
+            # the model's own values (fp32 masters are exact), or for a meta model its initial ones
+            values = g.full_values(param_dtype, self.device, self.param_init_fn)
             if self.world > 1:
                 dist.broadcast(values, src=src, group=self.group)
             own = values[g.start : g.start + g.shard_size]
@@ -113,11 +128,11 @@ class ZeroEngine:
                 g.shard = g.flat[g.start : g.start + g.shard_size]
             else:  # stage 3: the shard is all this rank keeps of the parameters
                 own_compute = g.flat[g.start : g.start + g.shard_size]
-                g.shard = self._pinned(own_compute.to(self.param_device, copy=True))
+                g.shard = self._empty(g.shard_size, self.compute_dtype, self.param_device).copy_(own_compute)
                 g.free()
             aliased = self.master_dtype == self.compute_dtype and g.shard.device == self.offload_device
-            g.master = g.shard if aliased else self._pinned(
-                own.to(self.offload_device, self.master_dtype, copy=True))
+            g.master = g.shard if aliased else self._empty(
+                g.shard_size, self.master_dtype, self.offload_device).copy_(own)
             if self.stage <= 1:  # full gradients stay; the shard is a view of them
                 g.grad_flat = torch.zeros(g.padded, dtype=self.reduce_dtype, device=self.device)
                 g.shard_grad = g.grad_flat[g.start : g.start + g.shard_size]
@@ -134,8 +149,8 @@ class ZeroEngine:
             for g in shard_grads:
                 g.shard_grad = torch.zeros(g.shard_size, dtype=self.reduce_dtype, device=self.device)
         for g in self.groups:
-            g.host_grad = g.shard_grad if g.master.device == self.device else self._pinned(
-                torch.zeros(g.shard_size, dtype=self.master_dtype, device=g.master.device))
+            g.host_grad = g.shard_grad if g.master.device == self.device else self._empty(
+                g.shard_size, self.master_dtype, g.master.device).zero_()
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -244,7 +259,8 @@ class ZeroEngine:
             g.master.grad = g.host_grad
         if self.offload_device != self.device and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # D2H copies done before the CPU step
-        self.optimizer.step()
+        with host_step_threads(self.device, self.offload_device):  # GPU + offload: the host's cores
+            self.optimizer.step()
         for g in self.groups:
             if g.master is not g.shard:  # fp32 master → bf16 shard; host → device
                 g.shard.copy_(g.master, non_blocking=True)

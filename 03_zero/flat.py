@@ -11,12 +11,14 @@ model runs unchanged on the flat storage. Padding never belongs to a parameter: 
 never written (it stays 0), so it adds nothing to a norm and the optimizer leaves it at 0.
 
 Stages 0-2 group the parameters in reduce buckets (`reduce_bucket_size` elements, reverse
-registration order: the order backward produces gradients); stage 3 groups them per module (the
-unit that is gathered before its forward and freed after). Depends only on torch.
+registration order: the order backward produces gradients); stage 3 groups them per unit (a
+transformer block, or a module the blocks leave out), gathered before its forward and freed
+after. Depends only on torch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -45,17 +47,39 @@ def assign_buckets(named: list[tuple[str, nn.Parameter]],
 
 
 Unit = tuple[nn.Module, list[tuple[str, nn.Parameter]], bool]
+UnitPolicy = Callable[[nn.Module], bool]
 
 
-def module_units(module: nn.Module, threshold: int) -> list[Unit]:
-    """Stage 3's units: (module, its own parameters, persistent?) for every module that holds
-    parameters directly, in registration order. Parameters under `threshold` elements form a
-    separate persistent unit of their module: they stay whole on every rank (DeepSpeed's
-    `param_persistence_threshold`), since gathering a tiny tensor costs latency, not memory."""
-    units = []
+def module_list_items(root: nn.Module) -> UnitPolicy:
+    """The default unit policy: every item of an `nn.ModuleList` under `root` (a transformer's
+    `layers`: one unit per block), found by identity, so it needs no import of the model's classes."""
+    items = {id(m) for mod in root.modules() if isinstance(mod, nn.ModuleList) for m in mod}
+    return lambda module: id(module) in items
+
+
+def module_units(module: nn.Module, threshold: int, policy: UnitPolicy | None = None) -> list[Unit]:
+    """Stage 3's units: (module, parameters, persistent?) in registration order. A module that
+    `policy` picks is one unit holding every parameter below it (a transformer block: one
+    all-gather instead of one per Linear; FSDP's `auto_wrap_policy`, DeepSpeed's z3 leaf modules);
+    every other module with parameters of its own outside any picked module is a unit of those
+    (the root's leftovers: embedding, final norm, output head). `policy` defaults to
+    `module_list_items(module)`; `lambda m: False` gives one unit per module (DeepSpeed's default).
+    Parameters under `threshold` elements form a separate persistent unit of their module: they
+    stay whole on every rank (DeepSpeed's `param_persistence_threshold`), since gathering a tiny
+    tensor costs latency, not memory."""
+    policy = module_list_items(module) if policy is None else policy
+    units: list[Unit] = []
+    inside, taken = set(), set()  # modules under a picked unit; parameters already in a unit
     for prefix, mod in module.named_modules():
-        own = [(f"{prefix}.{n}" if prefix else n, p) for n, p in mod.named_parameters(recurse=False)
-               if p.requires_grad]
+        if id(mod) in inside:
+            continue
+        if policy(mod):
+            inside.update(id(m) for m in mod.modules())
+            named = mod.named_parameters(prefix=prefix)
+        else:
+            named = ((f"{prefix}.{n}" if prefix else n, p) for n, p in mod.named_parameters(recurse=False))
+        own = [(n, p) for n, p in named if p.requires_grad and id(p) not in taken]
+        taken.update(id(p) for _, p in own)
         for persistent in (False, True):
             members = [(n, p) for n, p in own if (p.numel() < threshold) == persistent]
             if members:
@@ -105,18 +129,26 @@ class FlatGroup:
     def start(self) -> int:
         return self.rank * self.shard_size
 
-    def full_values(self, dtype: torch.dtype) -> torch.Tensor:
-        """The parameters' current values flattened and zero-padded, in `dtype`."""
-        out = torch.zeros(self.padded, dtype=dtype, device=self.params[0].device)
-        for p, off in zip(self.params, self.offsets, strict=True):
-            out[off : off + p.numel()].copy_(p.detach().reshape(-1))
+    def full_values(self, dtype: torch.dtype, device: torch.device,
+                    init: Callable[[str], torch.Tensor] | None = None) -> torch.Tensor:
+        """The parameters' current values flattened and zero-padded, in `dtype`; a parameter on
+        the meta device takes `init(name)` (its full initial values, drawn one at a time)."""
+        out = torch.zeros(self.padded, dtype=dtype, device=device)
+        for name, p, off in zip(self.names, self.params, self.offsets, strict=True):
+            out[off : off + p.numel()].copy_((init(name) if p.is_meta else p.detach()).reshape(-1))
         return out
 
     def bind(self, values: torch.Tensor, dtype: torch.dtype) -> None:
-        """Make each parameter a view of a new flat buffer holding `values` cast to `dtype`."""
+        """Make each parameter a view of a new flat buffer holding `values` cast to `dtype` (a
+        meta parameter cannot take CPU or GPU `.data`: it swaps contents, keeping its identity)."""
         self.flat = values.to(dtype=dtype, copy=True)
         for p, off in zip(self.params, self.offsets, strict=True):
-            p.data = self.flat[off : off + p.numel()].view(p.shape)
+            view = self.flat[off : off + p.numel()].view(p.shape)
+            if p.is_meta:  # an empty tensor on the flat's device first, which `.data` can replace
+                torch.utils.swap_tensors(p, nn.Parameter(view.new_empty(0), requires_grad=p.requires_grad))
+            # `.data`, not a Parameter made from the view: the parameter keeps its own version
+            # counter, so stage 3's gather into `flat` does not invalidate what autograd saved
+            p.data = view
 
     def split(self, full: torch.Tensor) -> dict[str, torch.Tensor]:
         """A full flat tensor → {name: view shaped like the parameter} (padding dropped)."""

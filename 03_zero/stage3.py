@@ -1,4 +1,9 @@
-"""ZeRO stage 3: a module's parameters exist in full only while that module computes.
+"""ZeRO stage 3: a unit's parameters exist in full only while that unit computes.
+
+A unit is a module the engine's `unit_policy` picks, with every parameter below it (a transformer
+block), or a module left outside the picked ones with its own parameters (embedding, final norm,
+output head): `flat.module_units`. One flat buffer per unit, so one all-gather per block and pass
+instead of one per Linear (FSDP wraps the same blocks).
 
     forward   pre-hook:  all-gather unit i (or wait for its prefetch), prefetch unit i+1
               post-hook: free unit i                       (storage resized to 0 bytes)
@@ -27,8 +32,8 @@ if TYPE_CHECKING:
 
 
 class ParameterPartitioner:
-    """The hooks of stage 3 on every module that holds parameters (DeepSpeed's
-    `DeepSpeedZeRoOffload` / partitioned-parameter coordinator, in miniature)."""
+    """The hooks of stage 3 on every unit's module (DeepSpeed's `DeepSpeedZeRoOffload` /
+    partitioned-parameter coordinator, in miniature)."""
 
     def __init__(self, engine: ZeroEngine):
         self.engine = engine

@@ -29,7 +29,7 @@ from common.cli import (
 from common.data import split_inputs_targets
 from common.dist import DistContext
 from common.memory import ActivationMeter, storage_bytes
-from common.model import build_model, loss_fn
+from common.model import TransformerBlock, build_model, initializer, loss_fn
 from common.reference import make_optimizer
 from common.training import Strategy, run_main
 from zero.accounting import comm_formula, memory_formula, optimizer_bytes_per_param
@@ -136,27 +136,35 @@ class FlatActivationMeter(ActivationMeter):
 
 
 class ZeroStrategy(Strategy):
-    """The model's parameters live in ZeroEngine's flat buffers; each rank steps its own slice."""
+    """The model's parameters live in ZeroEngine's flat buffers; each rank steps its own slice.
+    Stage 3 gathers one unit per TransformerBlock (`unit_policy`, FSDP's auto-wrap policy)."""
+
+    unit_policy = staticmethod(lambda module: isinstance(module, TransformerBlock))
 
     def __init__(self, args: argparse.Namespace, ctx: DistContext, process_group=None):
         cfg, config = model_config(args), args.zero
-        model = build_model(cfg, args.seed, DTYPES[args.dtype], ctx.device)  # fp32 masters in bf16
+        # stage 3 builds on the meta device: the engine draws one unit at a time and keeps its
+        # shard (stages 0-2 replicate the parameters: every rank holds the whole model anyway)
+        sharded = config.stage == 3
+        model = build_model(cfg, args.seed, DTYPES[args.dtype], "meta" if sharded else ctx.device)
+        init = initializer(cfg, args.seed) if sharded else None
         self.engine = ZeroEngine(model, lambda ps: make_optimizer(ps, args.optimizer, args.lr), config,
-                                 process_group, gradient_accumulation_steps=args.grad_accum)
+                                 process_group, gradient_accumulation_steps=args.grad_accum,
+                                 unit_policy=self.unit_policy, param_init_fn=init, device=ctx.device)
         self.model, self.optimizer, self.config = model, self.engine.optimizer, config
         self.name = f"zero-{config.stage}" + ("-offload" if config.offload else "")
         self.dp_rank, self.dp_size = self.engine.rank, self.engine.world
         self.mesh = {"dp": self.dp_size}
         self.optimizer_name, self.itemsize = args.optimizer, DTYPES[args.dtype].itemsize
 
-    def forward_backward(self, micro_batches: list[torch.Tensor]) -> float:
-        total = 0.0
+    def forward_backward(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        losses = []
         for tokens in micro_batches:
             inputs, targets = split_inputs_targets(tokens)
             loss = loss_fn(self.engine(inputs), targets) / len(micro_batches)
             loss.backward()  # the engine's hooks reduce; its end-of-backward callback waits
-            total += loss.item()
-        return total
+            losses.append(loss.detach())  # no .item(): a host sync per micro-batch
+        return torch.stack(losses).sum(dtype=torch.float64)
 
     def step(self) -> None:
         self.engine.step()

@@ -14,8 +14,10 @@ storage, so gathering into it again before the unit's backward makes them valid 
 FSDP does the same). The gather writes through `full.data`, which shares the storage but not the
 version counter, so autograd does not see the refill as an in-place change.
 
-With one shard (NO_SHARD, or a group of one) and no dtype change, `full` aliases the shard's
-storage: nothing is gathered or freed. Depends only on torch.
+The shard is filled parameter by parameter (`flat` itself is never built), and a unit built on
+the meta device gets each overlapping parameter's values from a callback: a rank materializes
+its 1/N, not the unit. With one shard (NO_SHARD, or a group of one) and no dtype change, `full`
+aliases the shard's storage: nothing is gathered or freed. Depends only on torch.
 """
 
 from __future__ import annotations
@@ -44,11 +46,16 @@ class FlatParamHandle:
     """The flat parameter of one unit: its shard, its gathered copy, its gradient reduction.
 
     `params`: (name, owner module, attribute) for each parameter of the unit, in registration
-    order; a parameter reachable under several names (tied within the unit) is stored once."""
+    order; a parameter reachable under several names (tied within the unit) is stored once.
+    Parameters on the meta device get their values from `init_fn(param)` (the full tensor, on
+    any device), called only for those that overlap this rank's shard, one at a time; the shard
+    is allocated on `init_device` (default CPU): a rank holds its shard and one parameter at most."""
 
     def __init__(self, params: list[tuple[str, nn.Module, str]], group, shard: bool,
                  param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
-                 on_event: Callable[[str, FlatParamHandle], None] | None = None):
+                 on_event: Callable[[str, FlatParamHandle], None] | None = None,
+                 init_fn: Callable[[nn.Parameter], torch.Tensor] | None = None,
+                 init_device: torch.device | None = None):
         self.group, self.on_event, self.name = group, on_event, ""
         self.group_size = dist.get_world_size(group)
         self.shard_world = self.group_size if shard else 1
@@ -78,13 +85,21 @@ class FlatParamHandle:
         self.padded = self.shard_numel * self.shard_world
         self.pad = self.padded - self.numel
         dtype, device = dtypes.pop(), devices.pop()
+        if device.type == "meta":
+            if init_fn is None:
+                raise ValueError(f"{self.names} are on the meta device: pass param_init_fn")
+            device = torch.device(init_device or "cpu")
+        shard = torch.zeros(self.shard_numel, dtype=dtype, device=device)
+        start, offset = self.shard_rank * self.shard_numel, 0
         with torch.no_grad():
-            flat = torch.cat([p.detach().reshape(-1) for p in originals]
-                             + [torch.zeros(self.pad, dtype=dtype, device=device)])
-            start = self.shard_rank * self.shard_numel
-            self.flat_param = nn.Parameter(flat[start : start + self.shard_numel].clone(),
-                                           requires_grad=grads.pop())
-        del flat
+            for p, n in zip(originals, self.numels, strict=True):  # [lo, hi): p's part of the shard
+                lo, hi = max(start, offset), min(start + self.shard_numel, offset + n)
+                if lo < hi:
+                    full = init_fn(p) if p.is_meta else p.detach()
+                    shard[lo - start : hi - start] = full.reshape(-1)[lo - offset : hi - offset]
+                    del full  # a drawn parameter must not outlive its copy: peak = shard + one
+                offset += n
+        self.flat_param = nn.Parameter(shard, requires_grad=grads.pop())
         for module, attr, _ in self.setters:
             delattr(module, attr)  # the module's weights become views of `full` in forward
         self.param_dtype = param_dtype or dtype

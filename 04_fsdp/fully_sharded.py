@@ -22,9 +22,14 @@ bytes, no memory saving on parameters during the step. Persistent memory per ran
 Public API (stable; chapter 07 wraps a pipeline stage of tensor-parallel blocks over a DP group):
   FullyShardedDataParallel(module, process_group=None, sharding_strategy=, auto_wrap_policy=,
       mixed_precision=, device_id=, sync_module_states=False, forward_prefetch=True,
-      backward_prefetch=True)                 any nn.Module whose forward reads its weights as
-                                              attributes (module.weight); process_group may be
-                                              a sub-group (ranks are group ranks)
+      backward_prefetch=True, param_init_fn=None)  any nn.Module whose forward reads its weights
+                                              as attributes (module.weight); process_group may be
+                                              a sub-group (ranks are group ranks). A module on
+                                              the meta device: param_init_fn(name, meta param)
+                                              returns a parameter's full values (e.g. on CPU),
+                                              only for those overlapping this rank's shards;
+                                              the shards are allocated on device_id (default
+                                              CPU), so no rank ever holds a whole unit
   .parameters()                               the flat shards (give them to any torch optimizer)
   .no_sync()                                  accumulate unsharded grads locally (call on the root)
   .clip_grad_norm_(max_norm, norm_type=2.0)   torch's clipping, norm over every shard of the group
@@ -51,8 +56,9 @@ Depends only on torch.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -102,13 +108,18 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
                  auto_wrap_policy: AutoWrapPolicy | None = None,
                  mixed_precision: MixedPrecision | None = None,
                  device_id: int | torch.device | None = None, sync_module_states: bool = False,
-                 forward_prefetch: bool = True, backward_prefetch: bool = True):
+                 forward_prefetch: bool = True, backward_prefetch: bool = True,
+                 param_init_fn: Callable[[str, torch.Tensor], torch.Tensor] | None = None):
         super().__init__()
         if not isinstance(sharding_strategy, ShardingStrategy):
             raise ValueError(f"sharding_strategy={sharding_strategy!r}: use a ShardingStrategy "
                              f"({', '.join(s.name for s in ShardingStrategy)})")
-        if device_id is not None:
-            module.to(torch.device("cuda", device_id) if isinstance(device_id, int) else device_id)
+        device = torch.device("cuda", device_id) if isinstance(device_id, int) else device_id
+        if param_init_fn is not None:  # nested units see their own names: map back to ours by identity
+            names = {id(p): clean_name(n) for n, p in module.named_parameters()}
+            init, param_init_fn = param_init_fn, lambda _, p: init(names[id(p)], p)
+        elif device is not None:
+            module.to(device)
         self.process_group, self.sharding_strategy = process_group, sharding_strategy
         self.mixed_precision = mixed_precision or MixedPrecision()
         self.forward_prefetch, self.backward_prefetch = forward_prefetch, backward_prefetch
@@ -123,7 +134,8 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
         if auto_wrap_policy is not None:
             kwargs = dict(process_group=process_group, sharding_strategy=sharding_strategy,
                           mixed_precision=mixed_precision, sync_module_states=False,
-                          forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
+                          forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch,
+                          device_id=device, param_init_fn=param_init_fn)
             made = apply_auto_wrap(module, auto_wrap_policy,
                                    lambda m: FullyShardedDataParallel(m, **kwargs),
                                    lambda m: isinstance(m, FullyShardedDataParallel))
@@ -139,7 +151,8 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
         self._handle = (FlatParamHandle(own, process_group,
                                         shard=sharding_strategy != ShardingStrategy.NO_SHARD,
                                         param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
-                                        on_event=self._on_event)
+                                        on_event=self._on_event, init_device=device,
+                                        init_fn=None if param_init_fn is None else partial(param_init_fn, ""))
                         if own else None)
         if self._handle is not None:
             self._flat_param = self._handle.flat_param  # registered: what .parameters() yields

@@ -42,6 +42,7 @@ Sharding description (sharding.py), for gathering, checkpoints and clipping:
         r // copies, copies = t / num_shards; dim=None: replicated (copies = t).
     tp_shard_specs(module, group, prefix="") -> {name: TPShard} for every parameter
     gather_tensor(local, spec) / gather_full({name: tensor}, specs) -> full tensors (collective)
+    local_piece(full, spec) -> this rank's piece of a full tensor (no collective)
     local_sq_norm({name: grad}, specs) -> Σ ‖g‖²/copies: all-reduce it over the TP group (and over
         any other dim that shards the same tensors) for the global norm, replicas counted once
     clip_grad_norm_({name: param}, specs, max_norm, group)   torch semantics over the full model
@@ -72,7 +73,15 @@ from .parallelize import (
     parallelize_llama,
     vocab_parallel_loss,
 )
-from .sharding import TPShard, clip_grad_norm_, gather_full, gather_tensor, local_sq_norm, tp_shard_specs
+from .sharding import (
+    TPShard,
+    clip_grad_norm_,
+    gather_full,
+    gather_tensor,
+    local_piece,
+    local_sq_norm,
+    tp_shard_specs,
+)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -87,6 +96,7 @@ __all__ = [
     "gather_from_tp_region",
     "gather_full",
     "gather_tensor",
+    "local_piece",
     "local_sq_norm",
     "parallelize_attention",
     "parallelize_block",

@@ -1,5 +1,6 @@
 """How each parameter of a tensor-parallel module relates to the reference's full tensor, and the
-collectives that use it: gather the full tensor (for checks and checkpoints), and the true global
+collectives that use it: cut this rank's piece from a full tensor (to materialize a model split on
+the meta device), gather the full tensor (for checks and checkpoints), and the true global
 gradient norm for clipping, with every replicated element counted once.
 
 A `TPShard` says: the full tensor is cut along `dim` into `num_shards` equal pieces (the last one
@@ -59,6 +60,20 @@ def tp_shard_specs(module: nn.Module, group, prefix: str = "") -> dict[str, TPSh
     for name, p in module.named_parameters(prefix=prefix):
         specs.setdefault(name, TPShard(None, 1, group, p.shape[0] if p.dim() else 1))
     return specs
+
+
+def local_piece(full: torch.Tensor, spec: TPShard) -> torch.Tensor:
+    """This rank's piece of the full tensor (gather_tensor's inverse, no collective): piece
+    rank // copies of `full` cut along spec.dim into num_shards, the last one zero-padded."""
+    if spec.replicated:
+        return full
+    rows = -(-spec.full_size // spec.num_shards)
+    index = group_rank(spec.group) // spec.copies
+    front = full.movedim(spec.dim, 0)
+    out = front.new_zeros((rows, *front.shape[1:]))
+    part = front[index * rows:(index + 1) * rows]
+    out[:part.shape[0]] = part
+    return out.movedim(0, spec.dim).contiguous()
 
 
 def gather_tensor(local: torch.Tensor, spec: TPShard) -> torch.Tensor:

@@ -2,13 +2,16 @@
 
     torchrun --standalone --nproc-per-node 8 07_3d/train.py --dp 2 --pp 2 --tp 2 --schedule 1f1b
 
-Every rank builds the same full model from the seed, keeps its pipeline stage (06), cuts that
-stage's blocks, embedding and head into tensor-parallel pieces over its TP group (05), optionally
-wraps blocks for activation recomputation, and shards what is left over its DP group with FSDP
-(04): one unit per block, the stage's embedding/head as the root unit. A schedule of 06 runs the
-stages; gradients are clipped by the global norm over all three dimensions (clip.py), AdamW steps
-on the FSDP shards, the LR follows warm-up + cosine. `--check` gathers full gradients and
-parameters from all three dimensions against the single-device reference.
+Every rank builds the full model on the meta device (no memory), keeps its pipeline stage (06),
+cuts that stage's blocks, embedding and head into tensor-parallel pieces over its TP group (05),
+optionally wraps blocks for activation recomputation, and shards what is left over its DP group
+with FSDP (04): one unit per block, the stage's embedding/head as the root unit. Only then are
+values drawn: each parameter overlapping this rank's FSDP shard is generated in full on CPU from
+the seed (common.model.initializer), cut to its TP piece, and its shard's slice copied to the
+device. A schedule of 06 runs the stages; gradients are clipped by the global norm over all
+three dimensions (clip.py), AdamW steps on the FSDP shards, the LR follows warm-up + cosine.
+`--check` gathers full gradients and parameters from all three dimensions against the
+single-device reference.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from common.cli import (
 from common.data import split_inputs_targets
 from common.dist import DistContext
 from common.memory import ActivationMeter, optimizer_state_tensors, storage_bytes
-from common.model import TransformerBlock, build_model, rope_cos_sin
+from common.model import TransformerBlock, build_model, initializer, rope_cos_sin
 from common.reference import make_optimizer
 from common.training import Strategy, run_main
 from fsdp import FSDP, MixedPrecision, ModuleWrapPolicy, ShardingStrategy, clean_name
@@ -50,6 +53,7 @@ from pipeline.simulator import closed_form_bubble
 from tensor_parallel import (
     check_tp_sizes,
     gather_full,
+    local_piece,
     parallelize_blocks,
     parallelize_embedding,
     parallelize_head,
@@ -184,10 +188,9 @@ class Parallel3DStrategy(ResumableStrategy, Strategy):
         self.compute_dtype = torch.bfloat16 if self.mixed else master_dtype
         m, v = layout.grad_accum, virtual_stages(args)
         self.schedule = make_schedule(args.schedule, mesh.pp, m, v)
-        full = build_model(cfg, args.seed, master_dtype, ctx.device)
-        chunks = split_model(full, mesh.pp, v, mesh.pp_rank,
-                             rope=partial(sequence_rope, cfg, mesh.tp if self.sp else 1))
-        del full
+        # all on the meta device until FSDP draws the parameters overlapping this rank's shards
+        chunks = split_model(build_model(cfg, dtype=master_dtype, device="meta"), mesh.pp, v,
+                             mesh.pp_rank, rope=partial(sequence_rope, cfg, mesh.tp if self.sp else 1))
         self.tp_specs, self.head = {}, None
         for chunk in chunks:  # TP first, then recomputation, then FSDP (torchtitan's order)
             if chunk.tok_embeddings is not None:
@@ -201,8 +204,15 @@ class Parallel3DStrategy(ResumableStrategy, Strategy):
         unit = CheckpointWrapper if args.activation_checkpointing == "full" else TransformerBlock
         mp = MixedPrecision(torch.bfloat16, torch.float32, torch.bfloat16) if self.mixed else None
         self.sharding = ShardingStrategy[args.sharding_strategy]
+        init = initializer(cfg, args.seed)
+
+        def tp_piece(name: str, _) -> torch.Tensor:  # the full tensor's TP piece; FSDP keeps its 1/dp
+            name = unwrapped_name(name)
+            return local_piece(init(name), self.tp_specs[name])
+
         self.chunks = [FSDP(c, process_group=mesh.dp_group, sharding_strategy=self.sharding,
-                            auto_wrap_policy=ModuleWrapPolicy({unit}), mixed_precision=mp)
+                            auto_wrap_policy=ModuleWrapPolicy({unit}), mixed_precision=mp,
+                            device_id=ctx.device, param_init_fn=tp_piece)
                        for c in chunks]
         self.model = nn.ModuleList(self.chunks)
         self.optimizer = make_optimizer(self.model.parameters(), args.optimizer, args.lr)
@@ -226,13 +236,13 @@ class Parallel3DStrategy(ResumableStrategy, Strategy):
 
     # --- the step -------------------------------------------------------------------------------
 
-    def forward_backward(self, micro_batches: list[torch.Tensor]) -> float | None:
+    def forward_backward(self, micro_batches: list[torch.Tensor]) -> torch.Tensor | None:
         self.restore_rng_once()
         start = time.perf_counter()
         inputs, targets = zip(*(split_inputs_targets(t) for t in micro_batches), strict=True)
         loss = self.executor.run(inputs, targets)
         self._busy_s += self._elapsed(start)
-        return loss
+        return loss  # a 0-dim tensor on the last stage (the loop reads it once), else None
 
     def _elapsed(self, start: float) -> float:
         if self.device.type == "cuda":

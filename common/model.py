@@ -13,6 +13,8 @@ a tensor-parallel split of wq/wk/wv needs no change here.
 from __future__ import annotations
 
 import math
+import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -197,32 +199,62 @@ class Llama(nn.Module):
         return self.output(self.norm(h))
 
 
-def init_weights(model: Llama, seed: int) -> None:
-    """Deterministic init from `seed` alone, identical on every rank and device: N(0, 0.02) for
-    embeddings and linears, 0.02/sqrt(2·n_layers) for the projections into the residual stream
-    (wo, w2), ones for norms. Drawn on CPU in float64, then cast, so every dtype starts from the
-    same numbers."""
-    gen = torch.Generator().manual_seed(seed)
-    residual_std = 0.02 / math.sqrt(2 * model.cfg.n_layers)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-                continue
-            std = residual_std if name.endswith(("wo.weight", "w2.weight")) else 0.02
-            p.copy_(torch.empty(p.shape, dtype=torch.float64).normal_(0.0, std, generator=gen))
+def init_std(name: str, n_layers: int) -> float | None:
+    """The init of parameter `name`: None for norms (ones), else the std of its normal draw:
+    0.02/sqrt(2·n_layers) for the projections into the residual stream (wo, w2), 0.02 otherwise."""
+    if name.endswith("norm.weight"):
+        return None
+    return 0.02 / math.sqrt(2 * n_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+
+
+def init_parameter(name: str, shape: Sequence[int], seed: int, n_layers: int) -> torch.Tensor:
+    """Parameter `name`'s initial values (its full-model name, e.g. "layers.3.attention.wq.weight"),
+    float64 on CPU. Each parameter draws from its own generator, seeded by crc32("seed/name") (32
+    bits: the CPU generator keeps only those): any rank can compute any parameter, or only the
+    ones it holds, in any order, and get the same numbers. Ones for norms, N(0, init_std²) else."""
+    std = init_std(name, n_layers)
+    if std is None:
+        return torch.ones(tuple(shape), dtype=torch.float64)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
+    return torch.empty(tuple(shape), dtype=torch.float64).normal_(0.0, std, generator=gen)
+
+
+def initializer(cfg: LlamaConfig, seed: int) -> Callable[[str], torch.Tensor]:
+    """full-model name → that parameter's initial values (`init_parameter`, float64 on CPU); the
+    shapes are read from a meta model, so nothing else is allocated."""
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in Llama(cfg).named_parameters()}
+    return lambda name: init_parameter(name, shapes[name], seed, cfg.n_layers)
+
+
+def materialize(module: nn.Module, init: Callable[[str], torch.Tensor], device: torch.device | str,
+                local: Callable[[str, torch.Tensor], torch.Tensor] = lambda name, full: full) -> None:
+    """Give each meta parameter of `module` (a model, a pipeline stage, a tensor-parallel split
+    of either) its initial values on `device`, in its own dtype, one parameter at a time: `init`
+    draws the full tensor on CPU, `local(name, full)` keeps the part this rank holds (default:
+    all of it), and only that part is copied to the device."""
+    for prefix, sub in module.named_modules():
+        for attr, p in list(sub._parameters.items()):
+            if p is not None and p.is_meta:
+                name = f"{prefix}.{attr}" if prefix else attr
+                values = local(name, init(name)).to(device=device, dtype=p.dtype, copy=True)
+                if values.shape != p.shape:
+                    raise ValueError(f"{name}: the local piece has shape {tuple(values.shape)}, the "
+                                     f"module expects {tuple(p.shape)}")
+                sub._parameters[attr] = nn.Parameter(values, requires_grad=p.requires_grad)
 
 
 def build_model(cfg: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
                 device: torch.device | str = "cpu") -> Llama:
-    """The model every strategy starts from. On the meta device nothing is allocated (use it to
-    count the parameters of the real shapes)."""
-    if torch.device(device).type == "meta":
-        with torch.device("meta"):
-            return Llama(cfg).to(dtype)
-    model = Llama(cfg).to(dtype)
-    init_weights(model, seed)
-    return model.to(device)
+    """The model every strategy starts from, built on the meta device and materialized one
+    parameter at a time on `device` (never a full float64 copy). On the meta device nothing is
+    allocated: count the parameters of the real shapes, or split the model, then `materialize`
+    only this rank's part."""
+    with torch.device("meta"):
+        model = Llama(cfg).to(dtype)
+    if torch.device(device).type != "meta":
+        materialize(model, initializer(cfg, seed), device)
+    return model
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -19,6 +19,9 @@ from common.model import (
     build_model,
     count_parameters,
     get_config,
+    init_parameter,
+    initializer,
+    materialize,
     rope_cos_sin,
     rope_frequencies,
 )
@@ -175,3 +178,27 @@ def test_model_is_causal_and_loss_starts_near_log_vocab():
     logits = model(tokens)
     loss = F.cross_entropy(logits.flatten(0, 1), tokens.flatten())
     assert abs(loss.item() - math.log(cfg.vocab_size)) < 0.1
+
+
+def test_init_is_addressable_per_parameter():
+    """Each parameter is a function of (seed, its full name) alone: drawn by name, in any order,
+    or materialized into a piece of a meta model, it equals build_model's; parameters of the same
+    shape differ, and the std is the one init_std names."""
+    cfg = get_config("tiny", n_layers=2)
+    model = build_model(cfg, seed=5, dtype=torch.float64)
+    init = initializer(cfg, 5)
+    for name, p in reversed(list(model.named_parameters())):
+        assert torch.equal(p, init(name)), name
+        assert torch.equal(p, init_parameter(name, p.shape, 5, cfg.n_layers)), name
+    wq0, wq1 = model.layers[0].attention.wq.weight, model.layers[1].attention.wq.weight
+    assert not torch.equal(wq0, wq1)
+    assert abs(wq0.std().item() - 0.02) < 2e-3
+    assert abs(model.layers[0].attention.wo.weight.std().item() - 0.02 / math.sqrt(4)) < 1e-3
+    block = build_model(cfg, dtype=torch.float32, device="meta").layers[1]  # one block of a meta model
+    materialize(block, lambda n: init(f"layers.1.{n}"), "cpu", lambda n, full: full.flip(0))
+    for name, p in block.named_parameters():
+        full = model.get_parameter(f"layers.1.{name}")
+        assert p.device.type == "cpu" and p.dtype == torch.float32, name
+        assert torch.equal(p, full.flip(0).float()), name
+    with pytest.raises(ValueError, match="local piece has shape"):
+        materialize(build_model(cfg, device="meta"), init, "cpu", lambda n, full: full[:1])

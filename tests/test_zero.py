@@ -3,6 +3,7 @@ numbers as one device, hold the paper's memory per rank, and send DP's bytes (st
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 
 from common.comm import CommMeter
 from common.dist import init_distributed
-from common.model import get_config
+from common.model import TransformerBlock, build_model, get_config
 from common.training import rank_micro_batches, train
 from tests.equivalence import (
     TrainSpec,
@@ -29,9 +30,10 @@ from tests.equivalence import (
     with_spec,
 )
 from tests.harness import RankError
-from zero import ZeroConfig, ZeroEngine, padded_size
+from zero import ZeroConfig, ZeroEngine, module_units, offload, padded_size
 from zero import train as zero_train
 from zero.config import ZeroConfigError, load_config, parse_config
+from zero.offload import host_step_threads, pinned_empty
 
 CONFIGS = zero_train.__file__.replace("train.py", "configs")
 REPO = Path(__file__).resolve().parent.parent
@@ -154,7 +156,7 @@ def measured(spec: TrainSpec, stage: int, offload: bool = False, clip: float | N
         strategy.step()
     comm, formula = strategy.formulas(1)
     return {"memory": strategy.memory(), "formula": formula, "comm": meter.bytes_sent,
-            "comm_formula": comm, "ops": meter.as_dict()}
+            "comm_formula": comm, "ops": meter.as_dict(), "units": len(strategy.engine.groups)}
 
 
 def memory_table(spec: TrainSpec) -> list[dict]:
@@ -189,10 +191,14 @@ def test_stages_1_2_send_dp_bytes_and_stage_3_one_and_a_half(pools, world):
     gather_scatter = {"all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
                       "reduce_scatter_tensor"}  # the names differ across torch 2.6-2.14
     assert set(rows[1]["ops"]) == set(rows[2]["ops"]) and set(rows[1]["ops"]) <= gather_scatter
-    padding = 1.002  # Ψ = 43,168 in 1 (stages 1-2) or 21 (stage 3) flat groups, N-1 padding each at most
+    padding = 1.002  # Ψ = 43,168 in 1 (stages 1-2) or 5 (stage 3) flat groups, N-1 padding each at most
     for row, factor in zip(rows[:4], (1.0, 1.0, 1.0, 1.5), strict=True):
         assert 1 <= row["comm"] / (factor * dp) <= padding, (factor, row)
         assert 1 <= row["comm"] / row["comm_formula"] <= padding, row
+    # stage 3's units: embedding, one per TransformerBlock (2), final norm, output head; each
+    # all-gathered in forward and in backward and reduce-scattered once (not one per Linear: 21)
+    calls = {op.split("_")[0]: int(s["calls"]) for op, s in rows[3]["ops"].items()}
+    assert rows[3]["units"] == 5 and calls == {"all": 2 * 5, "reduce": 5}, rows[3]
     clipped = rows[4]  # + one scalar all-reduce of the squared norm
     assert clipped["comm"] - rows[2]["comm"] == pytest.approx(2 * (world - 1) / world * 8)
     assert clipped["comm"] == pytest.approx(clipped["comm_formula"], rel=1e-3)
@@ -264,6 +270,120 @@ def test_unused_parameter_is_a_clear_error_on_every_rank(pools, stage):
         pools.run(2, backward_with_unused_parameter, stage)
     assert sorted(info.value.errors) == [0, 1]
     pools.run(2, dist.barrier)  # no rank was left inside a collective
+
+
+# --- stage 3's units: one per transformer block, the root's leftovers their own ---------------
+def unit_names(units) -> list[list[str]]:
+    return [[name for name, _ in members] for _, members, _ in units]
+
+
+def test_stage_3_units_are_the_blocks_and_the_roots_leftovers():
+    model = build_model(get_config("tiny", n_layers=2))
+    blocks = module_units(model, 0, lambda m: isinstance(m, TransformerBlock))
+    assert [type(m).__name__ for m, _, _ in blocks] == ["Embedding", "TransformerBlock",
+                                                        "TransformerBlock", "RMSNorm", "Linear"]
+    assert unit_names(blocks)[1] == [n for n, _ in model.named_parameters() if n.startswith("layers.0.")]
+    assert unit_names(module_units(model, 0)) == unit_names(blocks)  # default: nn.ModuleList items
+    per_module = module_units(model, 0, lambda m: False)  # DeepSpeed's default: every module
+    assert len(per_module) == 3 + 2 * 9
+    every = sorted(dict(model.named_parameters()))
+    for units in (blocks, per_module):  # every parameter in exactly one unit
+        assert sorted(n for names in unit_names(units) for n in names) == every
+    persistent = [(type(m).__name__, p) for m, _, p in module_units(model, 40)]  # norms (32) stay whole
+    assert persistent.count(("TransformerBlock", True)) == 2 and ("RMSNorm", True) in persistent
+
+
+class PerModuleUnits(zero_train.ZeroStrategy):
+    unit_policy = staticmethod(lambda module: False)
+
+
+def per_module_strategy(spec: TrainSpec) -> zero_train.ZeroStrategy:
+    return PerModuleUnits(zero_args(spec, 3, bucket=50, threshold=40), init_distributed())
+
+
+def test_stage_3_with_one_unit_per_module_still_equals_single_device(pools):
+    """The property test runs train.py's units (one per block); this is the other extreme."""
+    spec = TrainSpec(cfg=get_config("tiny", n_layers=2), world_size=3, global_batch=6, micro_batch=1,
+                     seq_len=6, steps=2, clip_grad=1e-2)
+    check_strategy(pools, spec, per_module_strategy)
+
+
+# --- offload: buffers allocated once; the host's cores for a GPU's CPU step only --------------
+def offload_steps(stage: int) -> dict:
+    """Two offloaded steps on a CPU rank, recording the threads of the optimizer step and the
+    storage of every buffer of the training state after each step."""
+    spec = TrainSpec(cfg=get_config("tiny", n_layers=1), world_size=2, global_batch=4, micro_batch=1,
+                     seq_len=6, steps=2)
+    strategy = zero_strategy(spec, stage, offload=True, bucket=2000)
+    engine, threads, pointers = strategy.engine, [], []
+    step = engine.optimizer.step
+    engine.optimizer.step = lambda: threads.append(torch.get_num_threads()) or step()
+    set_threads, cudart = torch.set_num_threads, torch.cuda.cudart
+    torch.set_num_threads = lambda n: threads.append(f"set_num_threads({n})")
+    torch.cuda.cudart = lambda: threads.append("cudart") or cudart()
+    try:
+        for k in range(2):
+            micro = spec.data().global_batch(k, 4).chunk(2)[dist.get_rank()].split(1)
+            strategy.forward_backward(list(micro))
+            strategy.step()
+            strategy.zero_grad()
+            pointers.append([t.data_ptr() for g in engine.groups
+                             for t in (g.shard, g.master, g.host_grad, g.shard_grad)]
+                            + [t.data_ptr() for t in engine.state_tensors()["optimizer"]])
+    finally:
+        torch.set_num_threads, torch.cuda.cudart = set_threads, cudart
+    return {"threads": threads, "pointers": pointers}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_offload_on_cpu_keeps_one_thread_and_allocates_its_buffers_once(pools, stage):
+    result = pools.run(2, offload_steps, stage)[0]
+    assert result["threads"] == [1, 1], result["threads"]  # no set_num_threads, no cudart call
+    first, second = result["pointers"]
+    assert first == second and len(first) > 4 and 0 not in first, result["pointers"]
+
+
+def test_gpu_offload_steps_on_this_ranks_share_of_the_cores_and_restores(monkeypatch):
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # a device object needs no GPU
+    monkeypatch.setattr(offload.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(offload.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    before = torch.get_num_threads()
+    for device, offload_device, inside in ((cuda, cpu, 4), (cpu, cpu, before), (cuda, cuda, before)):
+        with host_step_threads(device, offload_device):
+            assert torch.get_num_threads() == inside, (device, offload_device)
+        assert torch.get_num_threads() == before
+    monkeypatch.setattr(offload.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert offload.host_cores_per_rank() == 2  # never more than the cores this process may use
+
+
+class FakeCudart:
+    def __init__(self, error: int = 0):
+        self.calls, self.error = [], error
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 (CUDA's name)
+        self.calls.append(("register", ptr, size))
+        return self.error
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        self.calls.append(("unregister", ptr))
+        return 0
+
+
+def test_pinned_buffers_are_page_locked_at_their_exact_size(monkeypatch):
+    """The caching host allocator (`pin_memory()`) would reserve 8 MiB for this 6 MiB + 20 B
+    buffer; registering pageable memory locks exactly its bytes, and unlocks them when it dies."""
+    fake = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    t = pinned_empty(3 * 2**19 + 5, torch.float32)
+    ptr = t.data_ptr()
+    assert fake.calls == [("register", ptr, 6 * 2**20 + 20)]
+    del t
+    gc.collect()
+    assert fake.calls[-1] == ("unregister", ptr)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart(error=712))
+    with pytest.raises(RuntimeError, match=r"cudaError 712.*\"pin_memory\": false"):
+        pinned_empty(10, torch.bfloat16)
 
 
 # --- config and bad input ---------------------------------------------------------------------
