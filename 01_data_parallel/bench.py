@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from common.cli import DTYPES
 from common.data import SyntheticTokens, local_micro_batches, split_inputs_targets
-from common.dist import LaunchError, env_world_size, init_distributed, print0, shutdown
+from common.dist import LaunchError, env_world_size, init_distributed, print0, shutdown, synchronize
 from common.model import CONFIGS, build_model, count_parameters, get_config, loss_fn
 from common.reference import make_optimizer
 from data_parallel import DistributedDataParallel, NaiveDataParallel
@@ -111,6 +111,7 @@ def sweep_buckets(args: argparse.Namespace, ctx, cfg, dtype: torch.dtype, data: 
         tokens = data.global_batch(r, args.global_batch).to(ctx.device)
         for k in range(len(names)):
             name = names[(r + k) % len(names)]
+            synchronize(ctx.device)
             dist.barrier()
             start = time.perf_counter()
             if name == "comm only":
@@ -120,11 +121,10 @@ def sweep_buckets(args: argparse.Namespace, ctx, cfg, dtype: torch.dtype, data: 
                     train_step(dp, optimizer, tokens, ctx.rank, ctx.world_size)
             else:
                 train_step(*runs[name], tokens, ctx.rank, ctx.world_size)
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize()
+            synchronize(ctx.device)
             if r >= args.warmup:
                 times[name].append(time.perf_counter() - start)
-    slowest = torch.tensor([times[n] for n in names], dtype=torch.float64)
+    slowest = torch.tensor([times[n] for n in names], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     median = {n: statistics.median(slowest[i].tolist()) for i, n in enumerate(names)}
     buckets = {cap: [b.buffer.numel() * b.buffer.element_size() for b in dp_.buckets]
@@ -180,16 +180,16 @@ def main(argv: list[str] | None = None) -> None:
         for k in range(len(STRATEGIES)):
             strategy = STRATEGIES[(r + k) % len(STRATEGIES)]
             dp, optimizer = runs[strategy]
+            synchronize(ctx.device)
             dist.barrier()
             start = time.perf_counter()
             train_step(dp, optimizer, tokens, rank, world)
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize()
+            synchronize(ctx.device)
             if r >= args.warmup:
                 times[strategy].append(time.perf_counter() - start)
 
     # A step takes as long as its slowest rank.
-    slowest = torch.tensor([times[s] for s in STRATEGIES], dtype=torch.float64)
+    slowest = torch.tensor([times[s] for s in STRATEGIES], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     median = {s: statistics.median(slowest[i].tolist()) for i, s in enumerate(STRATEGIES)}
     spread = {s: (min(slowest[i].tolist()), max(slowest[i].tolist())) for i, s in enumerate(STRATEGIES)}
@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     calls = {"naive": n_tensors, "ddp": len(runs["ddp"][0].buckets),
              "torch_ddp": torch_bucket_count(runs["torch_ddp"][0])}
     names = {"naive": "naive (per tensor)", "ddp": "ours (bucketed)", "torch_ddp": "torch DDP"}
+    del runs, model, dp, optimizer  # free torch DDP's Reducer while the group lives (shutdown's doc)
 
     print0(f"chapter 1 bench · {args.model} ({n_params:,} params, {args.dtype}) · dp={world} · "
            f"{ctx.backend} on {ctx.device} · batch {args.global_batch}×{args.seq_len} · "

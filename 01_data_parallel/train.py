@@ -70,20 +70,20 @@ class DataParallelStrategy(Strategy):
         self.optimizer_name, self.reduce_itemsize = args.optimizer, (4 if self.mixed else
                                                                      self.model.output.weight.itemsize)
 
-    def forward_backward(self, micro_batches: list[torch.Tensor]) -> float:
-        total = 0.0
+    def forward_backward(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        losses = []
         for i, tokens in enumerate(micro_batches):
             inputs, targets = split_inputs_targets(tokens)
             with nullcontext() if i == len(micro_batches) - 1 else self.dp.no_sync():
                 loss = loss_fn(self.dp(inputs), targets) / len(micro_batches)
                 loss.backward()
-            total += loss.item()
+            losses.append(loss.detach())  # no .item(): a host sync per micro-batch
         if isinstance(self.dp, NaiveDataParallel):
             self.dp.finish()  # the naive version reduces after backward, by hand
         if self.mixed:
             for master, p in zip(self.master, self.model.parameters(), strict=True):
                 master.grad = p.main_grad
-        return total
+        return torch.stack(losses).sum(dtype=torch.float64)
 
     def step(self) -> None:
         if self.clip_grad is not None:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from common.cli import DTYPES
 from common.data import SyntheticTokens, local_micro_batches, split_inputs_targets
-from common.dist import LaunchError, env_world_size, init_distributed, print0, shutdown
+from common.dist import LaunchError, env_world_size, init_distributed, print0, shutdown, synchronize
 from common.memory import storage_bytes
 from common.model import CONFIGS, TransformerBlock, build_model, count_parameters, get_config, loss_fn
 from common.reference import make_optimizer
@@ -135,11 +135,11 @@ def main(argv: list[str] | None = None) -> None:
         for k in range(len(STRATEGIES)):
             strategy = STRATEGIES[(r + k) % len(STRATEGIES)]
             model, optimizer = runs[strategy]
+            synchronize(ctx.device)
             dist.barrier()
             start = time.perf_counter()
             train_step(model, optimizer, tokens, ctx.rank, world)
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize()
+            synchronize(ctx.device)
             if r >= args.warmup:
                 times[strategy].append(time.perf_counter() - start)
             memory[strategy] = state_bytes(model, optimizer, strategy)
@@ -148,8 +148,9 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 optimizer.zero_grad(set_to_none=True)
 
-    slowest = torch.tensor([times[s] for s in STRATEGIES], dtype=torch.float64)
+    slowest = torch.tensor([times[s] for s in STRATEGIES], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
+    del runs, model, optimizer  # free FSDP2's modules and hooks while the group lives
     median = {s: statistics.median(slowest[i].tolist()) for i, s in enumerate(STRATEGIES)}
     total = {s: sum(memory[s].values()) for s in STRATEGIES}
     tokens_per_step = args.global_batch * args.seq_len

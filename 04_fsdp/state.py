@@ -40,7 +40,8 @@ class ShardedStateMixin:
         """Σ g² over this rank's shards (a 0-d tensor, no collective)."""
         grads = [h.flat_param.grad for h in self.handles() if h.flat_param.grad is not None]
         if not grads:
-            return torch.zeros((), device=self.handles()[0].flat_param.device)
+            flat = self.handles()[0].flat_param  # the dtype the other ranks all-reduce
+            return torch.zeros((), dtype=flat.dtype, device=flat.device)
         return torch.stack([g.pow(2).sum() for g in grads]).sum()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -52,7 +53,9 @@ class ShardedStateMixin:
         sharded = self.sharding_strategy != ShardingStrategy.NO_SHARD and dist.get_world_size(
             self.process_group) > 1
         if norm_type == float("inf"):
-            total = torch.stack([g.abs().max() for g in grads]).max() if grads else torch.zeros(())
+            flat = handles[0].flat_param  # a rank without gradients still joins the all-reduce
+            total = (torch.stack([g.abs().max() for g in grads]).max() if grads
+                     else torch.zeros((), dtype=flat.dtype, device=flat.device))
             if sharded:
                 dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.process_group)
         elif norm_type == 2.0:

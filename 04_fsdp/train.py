@@ -24,7 +24,7 @@ from common.cli import DTYPES, BatchLayout, base_parser, batch_layout, model_con
 from common.data import split_inputs_targets
 from common.dist import DistContext
 from common.memory import ActivationMeter, model_state_bytes, optimizer_state_tensors, storage_bytes
-from common.model import TransformerBlock, build_model, loss_fn
+from common.model import TransformerBlock, build_model, initializer, loss_fn
 from common.reference import make_optimizer
 from common.training import Strategy, run_main
 from fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy, transformer_auto_wrap_policy
@@ -59,10 +59,11 @@ def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
     return batch_layout(args.global_batch, world_size, args.micro_batch, args.grad_accum)
 
 
-def wrap_llama(model: nn.Module, args: argparse.Namespace, process_group=None) -> FullyShardedDataParallel:
-    """The source article's wrapping, with our class."""
+def wrap_llama(model: nn.Module, args: argparse.Namespace, process_group=None, device=None,
+               param_init_fn=None) -> FullyShardedDataParallel:
+    """The source article's wrapping, with our class (a meta model: see `param_init_fn`)."""
     return FullyShardedDataParallel(
-        model, process_group=process_group,
+        model, process_group=process_group, device_id=device, param_init_fn=param_init_fn,
         auto_wrap_policy=partial(transformer_auto_wrap_policy, transformer_layer_cls={TransformerBlock}),
         mixed_precision=BF16_MIXED if args.mixed_precision == "bf16" else None,
         sharding_strategy=ShardingStrategy[args.sharding_strategy],
@@ -89,8 +90,9 @@ class FSDPStrategy(Strategy):
 
     def __init__(self, args: argparse.Namespace, ctx: DistContext, process_group=None):
         cfg = model_config(args)
-        self.model = wrap_llama(build_model(cfg, args.seed, DTYPES[args.dtype], ctx.device), args,
-                                process_group)
+        # a meta model: each unit draws only the parameters that overlap this rank's shard, on CPU
+        init, meta = initializer(cfg, args.seed), build_model(cfg, dtype=DTYPES[args.dtype], device="meta")
+        self.model = wrap_llama(meta, args, process_group, ctx.device, lambda name, _: init(name))
         self.model.memory_trace = []
         self.optimizer = make_optimizer(self.model.parameters(), args.optimizer, args.lr)
         self.args, self.n_params = args, sum(h.numel for h in self.model.handles())
@@ -98,16 +100,16 @@ class FSDPStrategy(Strategy):
         self.dp_rank, self.dp_size = ctx.rank, ctx.world_size
         self.mesh = {"dp": ctx.world_size}
 
-    def forward_backward(self, micro_batches: list[torch.Tensor]) -> float:
-        total = 0.0
+    def forward_backward(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        losses = []
         for i, tokens in enumerate(micro_batches):
             inputs, targets = split_inputs_targets(tokens)
             accumulate = self.args.no_sync and i < len(micro_batches) - 1
             with self.model.no_sync() if accumulate else nullcontext():
                 loss = loss_fn(self.model(inputs), targets) / len(micro_batches)
                 loss.backward()
-            total += loss.item()
-        return total
+            losses.append(loss.detach())  # no .item(): a host sync per micro-batch
+        return torch.stack(losses).sum(dtype=torch.float64)
 
     def step(self) -> None:
         if self.args.clip_grad is not None:
@@ -227,7 +229,7 @@ class TorchFSDP2Strategy(Strategy):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         self.args, self.mixed, self.grad_accum = args, args.mixed_precision == "bf16", grad_accum
-        model = build_model(model_config(args), args.seed, DTYPES[args.dtype], ctx.device)
+        model = build_model(model_config(args), dtype=DTYPES[args.dtype], device="meta")
         self.sizes = ([[padded_numel(p, ctx.world_size) for p in b.parameters()] for b in model.layers],
                       [padded_numel(p, ctx.world_size) for n, p in model.named_parameters()
                        if not n.startswith("layers.")])
@@ -239,21 +241,28 @@ class TorchFSDP2Strategy(Strategy):
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
         # the root stays gathered from forward to backward, as ours (torch's own heuristic)
         fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+        model.to_empty(device=ctx.device)  # this rank's dim-0 chunk of each parameter, uninitialized
+        init = initializer(model_config(args), args.seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                chunks = init(name).chunk(ctx.world_size)  # FSDP2's layout: torch.chunk on dim 0
+                if ctx.rank < len(chunks):
+                    p.to_local().copy_(chunks[ctx.rank])
         self.model = model
         self.optimizer = make_optimizer(model.parameters(), args.optimizer, args.lr)
         self.name, self.mesh = f"torch-fsdp2-{args.sharding_strategy.lower()}", {"dp": ctx.world_size}
         self.dp_rank, self.dp_size = ctx.rank, ctx.world_size
 
-    def forward_backward(self, micro_batches: list[torch.Tensor]) -> float:
-        total = 0.0
+    def forward_backward(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        losses = []
         for i, tokens in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             self.model.set_requires_gradient_sync(last or not self.args.no_sync)
             inputs, targets = split_inputs_targets(tokens)
             loss = loss_fn(self.model(inputs), targets) / len(micro_batches)
             loss.backward()
-            total += loss.item()
-        return total
+            losses.append(loss.detach())  # no .item(): a host sync per micro-batch
+        return torch.stack(losses).sum(dtype=torch.float64)
 
     def step(self) -> None:
         if self.args.clip_grad is not None:

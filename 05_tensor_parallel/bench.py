@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from common.data import SyntheticTokens, split_inputs_targets
-from common.dist import LaunchError, env_world_size, init_distributed, print0, shutdown
+from common.dist import LaunchError, env_world_size, init_distributed, print0, shutdown, synchronize
 from common.model import CONFIGS, build_model, get_config, loss_fn
 from common.reference import make_optimizer
 from tensor_parallel import parallelize_llama, vocab_parallel_loss
@@ -70,9 +70,9 @@ def torch_tp(model: torch.nn.Module, mesh) -> torch.nn.Module:
     return model
 
 
-def build(kind: str, tp: int, args, meshes) -> tuple:
+def build(kind: str, tp: int, args, meshes, device: torch.device) -> tuple:
     cfg = get_config(args.model)
-    model = build_model(cfg, args.seed, torch.float32)
+    model = build_model(cfg, args.seed, torch.float32, device)
     if kind == "ours":
         parallelize_llama(model, meshes[tp].get_group("tp"))
         loss = lambda logits, targets: vocab_parallel_loss(model.output, logits, targets)  # noqa: E731
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     configs = {"dense": ("dense", 1)}
     for t in tps:
         configs |= {f"ours tp={t}": ("ours", t), f"torch tp={t}": ("torch", t)}
-    runs = {name: build(kind, tp, args, meshes) for name, (kind, tp) in configs.items()}
+    runs = {name: build(kind, tp, args, meshes, ctx.device) for name, (kind, tp) in configs.items()}
     names = list(configs)
     data = SyntheticTokens(get_config(args.model).vocab_size, args.seq_len, args.seed)
     times, first_loss = {n: [] for n in names}, {}
@@ -128,18 +128,19 @@ def main(argv: list[str] | None = None) -> None:
         tokens = data.global_batch(r, args.batch).to(ctx.device)
         for k in range(len(names)):
             name = names[(r + k) % len(names)]
+            synchronize(ctx.device)
             dist.barrier()
             start = time.perf_counter()
             value = step(*runs[name], tokens)
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize()
+            synchronize(ctx.device)
             if r == 0:
                 first_loss[name] = value
             if r >= args.warmup:
                 times[name].append(time.perf_counter() - start)
 
-    slowest = torch.tensor([times[n] for n in names], dtype=torch.float64)
+    slowest = torch.tensor([times[n] for n in names], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    del runs, meshes  # free the DTensor modules and meshes while the groups live
     median = {n: statistics.median(slowest[i].tolist()) for i, n in enumerate(names)}
     tokens_per_step = args.batch * args.seq_len
     ratios = {tp: median[f"ours tp={tp}"] / median[f"torch tp={tp}"] for tp in tps}

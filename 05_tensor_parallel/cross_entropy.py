@@ -9,7 +9,9 @@ Rank i holds the logits z[:, v] of its vocab range [v_i, v_i + V'/t). Per token:
     loss = log S − z_y                   dloss/dz_v = softmax_v − [v = y]   (local, no comm)
 
 Two all-reduces of N = b·s numbers replace an all-gather of N·V logits. Padding columns (ids ≥ V
-when V is not divisible by t) get −∞: probability 0, never predicted, zero gradient.
+when V is not divisible by t) get −∞: probability 0, never predicted, zero gradient. Which columns
+are padding follows from V, the rank's range and its width, so it is decided on the host: a test
+of the data (`(ids >= V).any()`) would be a host sync in every forward.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, group, vocab_start: int, vocab_size: int):
         local_vocab = logits.shape[-1]
-        column_ids = torch.arange(vocab_start, vocab_start + local_vocab, device=logits.device)
-        if (column_ids >= vocab_size).any():
-            logits = logits.masked_fill(column_ids >= vocab_size, float("-inf"))
+        real = vocab_size - vocab_start  # columns [real, local_vocab) are padding: known from shapes
+        if real < local_vocab:  # decided on the host, never from data (`.any()` would sync a GPU)
+            logits = logits.clone()
+            logits[:, max(real, 0):] = float("-inf")
         logits_max = _all_reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX, group)
         shifted = logits - logits_max.unsqueeze(-1)
         exp = shifted.exp()

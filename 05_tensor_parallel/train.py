@@ -29,13 +29,14 @@ from common.cli import (
 from common.data import split_inputs_targets
 from common.dist import DistContext
 from common.memory import optimizer_state_tensors, storage_bytes
-from common.model import build_model
+from common.model import build_model, initializer, materialize
 from common.reference import make_optimizer
 from common.training import Strategy, run_main
 from tensor_parallel import (
     check_tp_sizes,
     clip_grad_norm_,
     gather_full,
+    local_piece,
     parallelize_llama,
     vocab_parallel_loss,
 )
@@ -101,9 +102,12 @@ class TensorParallelStrategy(Strategy):
         self.dp_size, self.dp_rank = ctx.world_size // self.tp, ctx.rank // self.tp
         self.tp_group, self.dp_group = tp_dp_groups(ctx.rank, ctx.world_size, self.tp)
         self.sequence_parallel = args.sequence_parallel
-        self.model = build_model(cfg, args.seed, torch.float32 if self.mixed else DTYPES[args.dtype],
-                                 ctx.device)
+        # split the model on the meta device, then draw only this rank's slices onto its device
+        self.model = build_model(cfg, dtype=torch.float32 if self.mixed else DTYPES[args.dtype],
+                                 device="meta")
         self.specs = parallelize_llama(self.model, self.tp_group, self.sequence_parallel)
+        materialize(self.model, initializer(cfg, args.seed), ctx.device,
+                    lambda name, full: local_piece(full, self.specs[name]))
         self.names = [n for n, _ in self.model.named_parameters()]
         if self.mixed:
             self.master = [p.detach().clone().requires_grad_() for p in self.model.parameters()]
@@ -120,13 +124,13 @@ class TensorParallelStrategy(Strategy):
                            self.sequence_parallel, e)
         self.grad_accum, self.reduce_itemsize = layout.grad_accum, (4 if self.mixed else e)
 
-    def forward_backward(self, micro_batches: list[torch.Tensor]) -> float:
-        total = 0.0
+    def forward_backward(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        losses = []
         for tokens in micro_batches:
             inputs, targets = split_inputs_targets(tokens)
             loss = vocab_parallel_loss(self.model.output, self.model(inputs), targets) / len(micro_batches)
             loss.backward()
-            total += loss.item()
+            losses.append(loss.detach())  # no .item(): a host sync per micro-batch
             if self.mixed:  # accumulate in fp32, as the reference casts its bf16 gradients
                 for master, p in zip(self.master, self.model.parameters(), strict=True):
                     g = p.grad.float()
@@ -139,7 +143,7 @@ class TensorParallelStrategy(Strategy):
             flat.div_(self.dp_size)
             for g, chunk in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
                 g.copy_(chunk.view_as(g))
-        return total
+        return torch.stack(losses).sum(dtype=torch.float64)
 
     def _named(self, grads: bool) -> dict[str, torch.Tensor]:
         return {n: (m.grad if grads else m) for n, m in zip(self.names, self.master, strict=True)}

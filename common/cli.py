@@ -56,6 +56,9 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="also train the single-device reference; exit 1 if losses, gradients or "
                         "parameters differ beyond the dtype's tolerance")
+    p.add_argument("--measure-activations", action=argparse.BooleanOptionalAction, default=None,
+                   help="count autograd's saved tensors for activations_peak (hooks on every saved "
+                        "tensor, every step); default: on, off on CUDA (see cuda_max_allocated)")
     p.add_argument("--report", default=None, metavar="PATH", help="write the JSON report here")
     return p
 

@@ -8,6 +8,7 @@ runs `torch.set_num_threads(1)` so that N ranks on a laptop do not fight over it
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 from dataclasses import dataclass
@@ -96,8 +97,21 @@ def init_distributed(backend: str | None = None, timeout_s: float = DEFAULT_TIME
 
 
 def shutdown() -> None:
+    """Destroy the process group, after collecting the garbage cycles that may still hold it (a
+    module whose hooks reference itself, a torch DDP Reducer): freed after the destroy, the last
+    reference runs gloo's destructor, which joins a worker thread that waits for the GIL this
+    thread holds, and the process hangs at exit (pytorch#56297, #75097). Callers drop their own
+    references (`del`) first; this only collects what nothing references any more."""
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device`: CUDA kernels run asynchronously, so a host clock read
+    around GPU work must follow this. A no-op on CPU, where an op has finished when it returns."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def seed_everything(seed: int) -> None:

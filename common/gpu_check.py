@@ -1,7 +1,13 @@
-"""`make gpu-check`: every chapter on NCCL at world size = the GPU count with `--check` in float32
-and in bf16 mixed precision, chapter 02's ring against NCCL's own all-reduce, each chapter's peak
-CUDA memory beside its memory formula, and a single-GPU bf16 throughput benchmark of the LLaMA
-model with its MFU, in one summary table (< 6 minutes on one GPU).
+"""`make gpu-check`: every chapter on NCCL with `--check` (in float32 and in bf16 mixed precision;
+the extra variants in float32), in one summary table that says what each row checked: DDP,
+chapter 02's ring against NCCL's own all-reduce, ZeRO-3 with CPU offload, FSDP with forward and
+backward prefetch, TP, every pipeline schedule (GPipe, 1F1B, interleaved, ZB-H1: NCCL's P2P
+ordering is what gloo cannot show), the 3D mesh with 1F1B and interleaved; each row's peak CUDA
+memory beside its memory formula; then a single-GPU bf16 throughput benchmark of the LLaMA model
+with its MFU. World size = the GPU count (the interleaved pipeline: 4 or 2 stages, the small
+model's 8 layers in 2 chunks per rank); a row that needs more GPUs than there are says so
+("skipped: needs 2 GPUs"). Rows stop starting after --budget-s, so that the whole check stays
+under 6 minutes; a row skipped for time is not a pass (exit 1).
 
     MFU = achieved FLOP/s / peak FLOP/s,   FLOP per token ≈ 6·N + 12·L·d·T
 (N = non-embedding parameters; the second term is attention's QKᵀ and AV, forward and backward).
@@ -18,6 +24,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,18 +53,62 @@ def mesh_3d(gpus: int) -> tuple[int, int, int]:
     return gpus // (tp * pp), pp, tp
 
 
-def chapter_flags(chapter: str, gpus: int) -> list[str]:
-    """Each chapter's own flags for NPROC = gpus (the shared ones are added by the caller)."""
-    dp, pp, tp = mesh_3d(gpus)
-    return {
-        "02_ring_allreduce": ["--bench-mb", "64"],
-        "03_zero": ["--stage", "3", "--offload"],
-        "04_fsdp": ["--sharding-strategy", "FULL_SHARD"],
-        "05_tensor_parallel": ["--tp", str(gpus)],
-        "06_pipeline": ["--schedule", "1f1b", "--microbatches", str(max(4, 2 * gpus))],
-        "07_3d": ["--dp", str(dp), "--pp", str(pp), "--tp", str(tp), "--microbatches",
-                  str(max(4, 2 * pp))],
-    }.get(chapter, [])
+def pipeline_flags(schedule: str) -> Callable[[int], list[str]]:
+    return lambda ranks: ["--schedule", schedule, "--microbatches", str(max(4, 2 * ranks))]
+
+
+def flags_3d(schedule: str) -> Callable[[int], list[str]]:
+    def flags(ranks: int) -> list[str]:
+        dp, pp, tp = mesh_3d(ranks)
+        return ["--dp", str(dp), "--pp", str(pp), "--tp", str(tp), "--schedule", schedule,
+                "--microbatches", str(max(4, 2 * pp))]
+    return flags
+
+
+def interleaved_ranks(gpus: int) -> int:
+    """Stages for the interleaved schedule: p·v = p·2 chunks must divide the small model's 8 layers."""
+    return 4 if gpus >= 4 else min(gpus, 2)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One row of the table: a chapter's train.py with `flags(ranks)` on `ranks(gpus)` GPUs."""
+    label: str
+    chapter: str
+    checked: str  # what the row shows, printed in the table
+    flags: Callable[[int], list[str]] = lambda ranks: []
+    precisions: tuple[str, ...] = ("float32", "bf16-mixed")
+    min_gpus: int = 1
+    ranks: Callable[[int], int] = lambda gpus: gpus
+
+
+CHECKS = (
+    Check("01 DDP", "01_data_parallel", "bucketed all-reduce overlapped with backward"),
+    Check("02 ring", "02_ring_allreduce", "ring (grouped P2P) vs NCCL all-reduce, 64 MiB busbw",
+          lambda ranks: ["--bench-mb", "64"]),
+    Check("03 ZeRO-3 offload", "03_zero", "ZeRO-3 sharding, AdamW on CPU (D2H, step, H2D)",
+          lambda ranks: ["--stage", "3", "--offload"]),
+    Check("04 FSDP", "04_fsdp", "FULL_SHARD, forward + backward prefetch",
+          lambda ranks: ["--sharding-strategy", "FULL_SHARD"]),
+    Check("05 TP", "05_tensor_parallel", "Megatron TP (DP over what 1, 2, 4, 8 leaves), vocab-parallel loss",
+          lambda ranks: ["--tp", str(max(t for t in (1, 2, 4, 8) if ranks % t == 0))]),
+    Check("06 PP 1F1B", "06_pipeline", "1F1B schedule, one stage per GPU", pipeline_flags("1f1b")),
+    Check("06 PP GPipe", "06_pipeline", "GPipe schedule: P2P groups on NCCL",
+          pipeline_flags("gpipe"), ("float32",), 2),
+    Check("06 PP interleaved", "06_pipeline", "interleaved 1F1B, v = 2: P2P groups on NCCL",
+          pipeline_flags("interleaved"), ("float32",), 2, interleaved_ranks),
+    Check("06 PP ZB-H1", "06_pipeline", "zero-bubble H1 (split B/W): P2P groups on NCCL",
+          pipeline_flags("zb"), ("float32",), 2),
+    Check("07 3D 1F1B", "07_3d", "dp × pp × tp mesh, FSDP + TP + 1F1B", flags_3d("1f1b")),
+    Check("07 3D interleaved", "07_3d", "dp × pp × tp mesh, interleaved pipeline",
+          flags_3d("interleaved"), ("float32",), 4),
+)
+
+
+def row_argv(check: Check, precision: str, ranks: int) -> list[str]:
+    """The row's train.py flags (after --check --log-every 0) on `ranks` processes."""
+    return ["--model", "small", "--steps", "5", "--global-batch", str(8 * ranks),
+            *PRECISIONS[precision], *check.flags(ranks)]
 
 
 def run_chapter(chapter: Path, nproc: int, extra: list[str], timeout_s: float = 120) -> dict:
@@ -135,19 +187,24 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def print_table(rows: list[dict], gpus: int) -> None:
-    print(f"\n{'chapter':<20}{'precision':>11}{'ok':>4}{'world':>6}{'grad diff':>11}{'tol':>7}"
-          f"{'comm/formula':>13}{'tokens/s':>10}{'cuda peak MiB':>14}{'state formula MiB':>18}{'s':>6}")
+    print(f"\n{'check':<19}{'precision':>11}{'ok':>4}{'world':>6}{'grad diff':>10}{'tol':>7}"
+          f"{'comm/formula':>13}{'tokens/s':>10}{'cuda peak MiB':>14}{'state formula MiB':>18}{'s':>6}"
+          "  checked")
     for r in rows:
+        head = f"{r['label']:<19}{r.get('precision', ''):>11}"
+        if "skipped" in r:
+            print(f"{head}{'-':>4}  skipped: {r['skipped']}  ({r['checked']})")
+            continue
         if "error" in r:
             last = r["error"].splitlines()[-1] if r["error"] else ""
-            print(f"{r['chapter']:<20}{r.get('precision', ''):>11}{'NO':>4}  {last[:150]}")
+            print(f"{head}{'NO':>4}  {r['checked']}: {last[:150]}")
             continue
         mib = lambda b: None if b is None else b / 2**20  # noqa: E731
-        print(f"{r['chapter']:<20}{r['precision']:>11}{'yes' if r['ok'] else 'NO':>4}{r['world']:>6}"
-              f"{_fmt(r['max_grad_diff'], '.1e'):>11}{_fmt(r['tolerance'], '.0e'):>7}"
+        print(f"{head}{'yes' if r['ok'] else 'NO':>4}{r['world']:>6}"
+              f"{_fmt(r['max_grad_diff'], '.1e'):>10}{_fmt(r['tolerance'], '.0e'):>7}"
               f"{_fmt(r['comm_ratio'], '.4f'):>13}{r['tokens_per_s']:>10.0f}"
               f"{_fmt(mib(r['cuda_peak']), '.1f'):>14}{_fmt(mib(r['state_formula']), '.1f'):>18}"
-              f"{r['seconds']:>6.1f}")
+              f"{r['seconds']:>6.1f}  {r['checked']}")
     ring = [r["ring_over_nccl"] for r in rows if r.get("ring_over_nccl") is not None]
     if ring:
         note = (" (one GPU: no peer, both are a local copy, so the ratio says nothing about the ring)"
@@ -161,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="measured throughput steps")
     parser.add_argument("--compile", action="store_true", help="torch.compile the throughput model")
     parser.add_argument("--chapters", default=None, help="comma-separated directory prefixes (01,05)")
+    parser.add_argument("--budget-s", type=float, default=230.0,
+                        help="start no row after this many seconds (the throughput run follows)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu-check: no CUDA device visible, nothing was checked; run it on a GPU machine "
@@ -168,16 +227,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     nproc, name = torch.cuda.device_count(), torch.cuda.get_device_name(0)
     print(f"gpu-check: {nproc} × {name}, torch {torch.__version__}", flush=True)
-    chapters = [c for c in chapter_dirs()
-                if not args.chapters or c.name.startswith(tuple(args.chapters.split(",")))]
-    rows = []
-    for chapter in chapters:
-        for precision, flags in PRECISIONS.items():
-            shared = ["--model", "small", "--steps", "5", "--global-batch", str(8 * nproc)]
-            row = run_chapter(chapter, nproc, [*shared, *flags, *chapter_flags(chapter.name, nproc)])
-            row.setdefault("precision", precision)
+    checks = [c for c in CHECKS if not args.chapters or c.chapter.startswith(tuple(args.chapters.split(",")))]
+    rows, start = [], time.perf_counter()
+    for check in checks:
+        for precision in check.precisions:
+            row = {"label": check.label, "precision": precision, "checked": check.checked}
+            if nproc < check.min_gpus:
+                row["skipped"] = f"needs {check.min_gpus} GPUs"
+            elif time.perf_counter() - start > args.budget_s:
+                row["skipped"] = f"time budget ({args.budget_s:.0f} s) spent, not checked"
+            else:
+                ranks = check.ranks(nproc)
+                row |= run_chapter(REPO_ROOT / check.chapter, ranks, row_argv(check, precision, ranks),
+                                   timeout_s=90)
+                row["precision"] = precision
             rows.append(row)
-            print(f"  {chapter.name} {precision}: {'ok' if row.get('ok') else 'FAILED'}", flush=True)
+            state = row.get("skipped") or ("ok" if row.get("ok") else "FAILED")
+            print(f"  {check.label} {precision}: {state}", flush=True)
     bench = throughput(BENCH_CONFIG, torch.device("cuda", 0), batch=8, seq_len=2048,
                        steps=args.steps, compile=args.compile)
     peak = args.peak_tflops or peak_tflops(name)
@@ -188,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
           f"AdamW{', compiled' if args.compile else ''}): {bench['tokens_per_s']:.0f} tokens/s, "
           f"{bench['flops_per_token'] / 1e9:.2f} GFLOP/token (6N + 12·L·d·T), "
           f"{bench['flops_per_s'] / 1e12:.1f} TFLOP/s, MFU {mfu} TFLOP/s")
-    return 0 if all(r.get("ok") for r in rows) else 1
+    return 0 if all(r.get("ok") or "needs" in r.get("skipped", "") for r in rows) else 1
 
 
 if __name__ == "__main__":

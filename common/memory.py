@@ -3,8 +3,12 @@
 Parameter, gradient and optimizer bytes are counted from live tensors, once per storage (a
 gradient that is a view into a flat bucket counts the bucket once). Activation bytes are what
 autograd saves for backward, counted with `torch.autograd.graph.saved_tensors_hooks`: the peak of
-the live total, each storage once, parameters excluded. On CUDA the ledger also reads
-`torch.cuda.max_memory_allocated`.
+the live total, each storage once, parameters excluded. Its hooks run on every saved tensor, so
+the training loop enables it by default only on CPU (`--measure-activations`); on CUDA the
+allocator gives the peak instead: `CudaPeakMeter` is `torch.cuda.max_memory_allocated` taken over
+the windows it is entered for, each window starting from a reset, so what the job allocated
+outside them (building the model, the `--check` gathers) cannot raise it, and the `--check`
+reference, resident on rank 0 but idle in the windows, is subtracted (`exclude`).
 
 Mixed-precision Adam on P parameters, for the lesson's arithmetic: weights 2P (bf16) + grads 2P +
 fp32 master, m and v 12P = 16P bytes; 7B → 112 GB before activations.
@@ -12,7 +16,8 @@ fp32 master, m and v 12P = 16P bytes; 7B → 112 GB before activations.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -105,7 +110,35 @@ class ActivationMeter:
         self._hooks.__exit__(*exc)
 
 
-def cuda_peak_bytes(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return None
+class CudaPeakMeter:
+    """`with peak:` around each window to count; `peak.bytes` is the largest
+    `torch.cuda.max_memory_allocated` of any window, less what `exclude` attributed to a
+    bystander (None off CUDA). Entering resets the allocator's peak to what is allocated now, so a
+    window's peak is what it found resident (live tensors, not freed ones) plus what it allocated
+    on top; a bystander that stays resident but does not run in the windows (the `--check`
+    reference's model and optimizer state) is subtracted, byte for byte in the allocator's units.
+    The allocator counts on the host, at allocation and free, so no synchronize is needed."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.bytes: int | None = 0 if self.cuda else None
+        self.excluded = 0
+
+    def __enter__(self) -> CudaPeakMeter:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            self.bytes = max(self.bytes, torch.cuda.max_memory_allocated(self.device) - self.excluded)
+
+    @contextmanager
+    def exclude(self) -> Iterator[None]:
+        """What the block allocates and leaves alive belongs to a bystander: subtracted from every
+        later window. Run nothing of the strategy's inside it."""
+        before = torch.cuda.memory_allocated(self.device) if self.cuda else 0
+        yield
+        if self.cuda:
+            self.excluded += torch.cuda.memory_allocated(self.device) - before

@@ -55,23 +55,38 @@ def make_optimizer(params: Iterable[nn.Parameter], name: str, lr: float) -> torc
     raise ValueError(f"unknown optimizer {name!r}: use 'adamw' or 'sgd'")
 
 
+# "max" floors each tensor's denominator at SCALE_FLOOR × the largest |b| of any tensor: a tensor
+# whose exact values are zero (wq/wk gradients when every sequence has one position, so softmax is
+# constant) holds only rounding noise in both runs, and noise / noise is no verdict. Any real
+# discrepancy of a tensor is still measured against at least 1e-4 of the model's scale.
+SCALE_FLOOR = 1e-4
+
+
 def relative_diff(tensors: dict[str, torch.Tensor], reference: dict[str, torch.Tensor],
                   metric: str = "max") -> float:
-    """The distance of `tensors` from `reference` in METRIC's sense ("max" or "global"),
-    computed in float64 (the scale guard keeps an all-zero reference finite)."""
+    """The distance of `tensors` from `reference` in METRIC's sense, computed in float64:
+    "max":    max over tensors t of max|a_t - b_t| / max(max|b_t|, SCALE_FLOOR · max_u max|b_u|)
+    "global": ||a - b|| / ||b|| over all tensors as one vector."""
     if tensors.keys() != reference.keys():
         raise ValueError(f"names differ from the reference's: {sorted(tensors.keys() ^ reference.keys())}")
-    worst, diff_sq, ref_sq = 0.0, 0.0, 0.0
+    pairs = []
     for name, b in reference.items():
         a, b = tensors[name].detach().double().cpu(), b.detach().double().cpu()
         if a.shape != b.shape:
             raise ValueError(f"{name}: shape {tuple(a.shape)} vs reference {tuple(b.shape)}")
-        if not b.numel():
-            continue
-        worst = max(worst, ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item())
-        diff_sq += (a - b).pow(2).sum().item()
-        ref_sq += b.pow(2).sum().item()
-    return worst if metric == "max" else (diff_sq / max(ref_sq, 1e-60)) ** 0.5
+        if b.numel():
+            pairs.append((a, b))
+    if not pairs:
+        return 0.0
+    scales = [b.abs().max().item() for _, b in pairs]
+    floor = max(SCALE_FLOOR * max(scales), 1e-30)  # 1e-30: an all-zero reference stays finite
+    worst = max((a - b).abs().max().item() / max(scale, floor)
+                for (a, b), scale in zip(pairs, scales, strict=True))
+    if metric == "max":
+        return worst
+    diff_sq = sum((a - b).pow(2).sum().item() for a, b in pairs)
+    ref_sq = sum(b.pow(2).sum().item() for _, b in pairs)
+    return (diff_sq / max(ref_sq, 1e-60)) ** 0.5
 
 
 class ReferenceTrainer:

@@ -7,14 +7,25 @@ torchtitan's split between the model and its `parallelize_*` function:
 
     step s:  tokens = data.global_batch(s)                       [global_batch, seq_len + 1]
              micro  = rows [r·B/dp, (r+1)·B/dp) of tokens, cut into grad_accum micro-batches
-             loss   = strategy.forward_backward(micro)           inside the comm meter
-             (check) strategy.full_gradients(), full_parameters() outside the meter, to rank 0
-             strategy.step(); strategy.zero_grad()               inside the meter
+             loss   = strategy.forward_backward(micro)           timed window, comm meter
+             (check) strategy.full_gradients(), full_parameters() outside both, to rank 0
+             strategy.step(); strategy.zero_grad()               timed window, comm meter
 
 TP and PP ranks of one data-parallel replica share `dp_rank`, so they take the same rows. The
 reported loss of a step is the mean over the ranks that have one (PP: the last stage; TP: every
 rank of the group, each with the same value), which is the global-batch mean loss because every
 data-parallel shard is represented by the same number of ranks.
+
+On a GPU the figures follow three rules. Time: each timed window starts and ends with
+`torch.cuda.synchronize()` (kernels run after `forward_backward` returns, and a non-last pipeline
+stage never waits for them). Host reads: the loop reads no loss inside a step; a strategy returns
+its loss as a device tensor, which is copied into a [steps, 2] device buffer, and read on logged
+steps (`--log-every`) and once at the end. Memory: `cuda_max_allocated` is the allocator's peak
+over the timed windows only, each window starting from a reset (`common.memory.CudaPeakMeter`):
+building the model and the `--check` gathers happen outside them, and the `--check` reference
+(a full model and its optimizer state, resident on rank 0's device) is subtracted from it. The
+saved-tensor activation meter runs on every saved tensor, so on CUDA it is off unless
+`--measure-activations` asks (then `activations_peak` is None, "-" in the table).
 """
 
 from __future__ import annotations
@@ -25,6 +36,7 @@ import sys
 import time
 import zlib
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -34,7 +46,7 @@ from common.cli import DTYPES, BatchLayout, ConfigError, exit_on_config_error, m
 from common.comm import CommMeter
 from common.data import ByteCorpus, SyntheticTokens, local_micro_batches
 from common.dist import DistContext, LaunchError, env_world_size, init_distributed, seed_everything, shutdown
-from common.memory import ActivationMeter, cuda_peak_bytes, model_state_bytes
+from common.memory import ActivationMeter, CudaPeakMeter, model_state_bytes
 from common.reference import LockstepReference
 from common.report import comm_convention, emit_report
 from common.wire import WireMeter
@@ -55,10 +67,12 @@ class Strategy:
     model: nn.Module
     optimizer: torch.optim.Optimizer | None = None
 
-    def forward_backward(self, micro_batches: list[torch.Tensor]) -> float | None:
+    def forward_backward(self, micro_batches: list[torch.Tensor]) -> torch.Tensor | float | None:
         """Forward and backward over this rank's micro-batches (token rows [mb, seq_len + 1], on
         the device), leaving the gradient of the mean loss over the *global* batch. Returns the
-        mean loss over these micro-batches, or None on a rank that computes no loss (PP)."""
+        mean loss over these micro-batches as a detached 0-dim tensor on the device (do not read
+        it: `.item()` is a host sync, per micro-batch it stalls the GPU), or None on a rank that
+        computes no loss (PP). A float is accepted too."""
         raise NotImplementedError
 
     def step(self) -> None:
@@ -84,6 +98,7 @@ class Strategy:
         return model_state_bytes(self.model.parameters(), self.optimizer)
 
     def activation_meter(self) -> ActivationMeter:
+        """The saved-tensor meter for `activations_peak` (used where `measure_activations`)."""
         return ActivationMeter(self.model.parameters())
 
     def formulas(self, steps: int) -> tuple[float, dict[str, float]]:
@@ -125,32 +140,59 @@ def make_data(args: argparse.Namespace, device: torch.device | None = None):
     return corpus
 
 
-def global_loss(local_losses: list[float | None], device: torch.device) -> list[float]:
-    """Mean of the per-step losses over the ranks that have one (one all-reduce)."""
-    values = torch.tensor([[x or 0.0, float(x is not None)] for x in local_losses],
-                          dtype=torch.float64, device=device)
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA only) before a clock is read."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_activations(args: argparse.Namespace, device: torch.device) -> bool:
+    """`--measure-activations` if given, else on everywhere but CUDA (the allocator's peak)."""
+    asked = getattr(args, "measure_activations", None)
+    return device.type != "cuda" if asked is None else asked
+
+
+def record_loss(row: torch.Tensor, loss: torch.Tensor | float | None) -> None:
+    """Write a step's loss into its row [loss, 1] of the loss buffer: a device copy, no host
+    read. None (a rank without a loss) leaves [0, 0]."""
+    if loss is not None:
+        with torch.no_grad():
+            row[0], row[1] = loss, 1
+
+
+def loss_value(loss: torch.Tensor | float | None) -> float | None:
+    """A `forward_backward` result as a float (one host read), for callers outside the loop."""
+    return loss.item() if isinstance(loss, torch.Tensor) else loss
+
+
+def global_loss(rows: torch.Tensor) -> list[float]:
+    """Mean of the per-step losses over the ranks that have one, from this rank's [k, 2] rows of
+    [loss, has_loss]: one all-reduce and one host read."""
+    values = rows.clone()
     dist.all_reduce(values, op=dist.ReduceOp.SUM)
-    if (values[:, 1] == 0).any():
+    values = values.tolist()
+    if any(count == 0 for _, count in values):
         raise RuntimeError("no rank reported a loss for some step: forward_backward must return "
                            "the loss on at least one rank (the last pipeline stage)")
-    return (values[:, 0] / values[:, 1]).tolist()
+    return [total / count for total, count in values]
 
 
 class ProgressLog:
     """One line per `every` steps on rank 0: step k/N, global-batch loss, tokens/s, elapsed, ETA.
-    Every rank calls it (the loss of a logged step takes one small all-reduce, outside the meter
-    and the timing)."""
+    Every rank calls it (the loss of a logged step takes one small all-reduce and one host read,
+    outside the meter and the timing; other steps read nothing)."""
 
     def __init__(self, steps: int, tokens_per_step: int, every: int, device: torch.device,
                  first_step: int = 0):
         self.steps, self.tokens_per_step, self.every, self.device = steps, tokens_per_step, every, device
         self.first_step, self.start = first_step, time.perf_counter()
 
-    def __call__(self, step: int, loss: float | None) -> None:
+    def __call__(self, step: int, row: torch.Tensor) -> None:
+        """`row`: the step's [1, 2] rows of the loss buffer."""
         done = step + 1
         if self.every <= 0 or (done % self.every and done != self.steps):
             return
-        loss = global_loss([loss], self.device)[0]
+        loss = global_loss(row)[0]
         if dist.get_rank() != 0:
             return
         elapsed, ran = time.perf_counter() - self.start, done - self.first_step
@@ -167,53 +209,61 @@ def train(args: argparse.Namespace, ctx: DistContext, strategy: Strategy, layout
     seed_everything(args.seed)
     data, cfg = make_data(args, ctx.device), model_config(args)
     mixed = getattr(args, "mixed_precision", "none")
-    reference = (LockstepReference(cfg, args.seed, DTYPES[args.dtype], args.optimizer, args.lr,
-                                   ctx.device, clip_grad=getattr(args, "clip_grad", None),
-                                   mixed_precision=mixed)
-                 if args.check and ctx.is_main else None)
+    peak = CudaPeakMeter(ctx.device)
+    with peak.exclude():  # the reference stays resident on rank 0 but is not the strategy's
+        reference = (LockstepReference(cfg, args.seed, DTYPES[args.dtype], args.optimizer, args.lr,
+                                       ctx.device, clip_grad=getattr(args, "clip_grad", None),
+                                       mixed_precision=mixed)
+                     if args.check and ctx.is_main else None)
     tokens_per_step = args.global_batch * args.seq_len
     log = ProgressLog(args.steps, tokens_per_step, getattr(args, "log_every", 0), ctx.device,
                       strategy.start_step)
-    meter, activations = CommMeter(), strategy.activation_meter()
+    meter = CommMeter()
+    activations = strategy.activation_meter() if measure_activations(args, ctx.device) else None
     wire = WireMeter(ctx.backend, ctx.device, ctx.world_size)  # observed bytes (gloo on CPU)
     wire.calibrate()
-    local_losses: list[float | None] = []
-    train_time, memory = 0.0, {}
     start_step = strategy.start_step
-    for step in range(start_step, args.steps):
+    ran = args.steps - start_step  # a resumed run reports the steps it ran
+    local_losses = torch.zeros(ran, 2, dtype=torch.float64, device=ctx.device)  # [loss, has one]
+    train_time, memory = 0.0, {}
+    for i, step in enumerate(range(start_step, args.steps)):
         tokens = data.global_batch(step, args.global_batch)
         micro = rank_micro_batches(strategy, tokens, layout.micro_batch, ctx.device)
         wire.open()
+        synchronize(ctx.device)
         start = time.perf_counter()
-        with meter, activations:
+        with meter, activations or nullcontext(), peak:
             loss = strategy.forward_backward(micro)
+        synchronize(ctx.device)
         train_time += time.perf_counter() - start
         wire.close()
-        local_losses.append(loss)
+        record_loss(local_losses[i], loss)
+        del loss
         if args.check:
             grads, params = strategy.full_gradients(), strategy.full_parameters()
             if reference is not None:
-                reference.step(tokens, grads, params)
+                with peak.exclude():
+                    reference.step(tokens, grads, params)
+            del grads, params  # rank 0's gathered copies must not stay into the next window
         wire.open()
+        synchronize(ctx.device)
         start = time.perf_counter()
-        with meter:
+        with meter, peak:
             strategy.step()
             if step == args.steps - 1:
                 memory = strategy.memory()
             strategy.zero_grad()
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(ctx.device)
         train_time += time.perf_counter() - start
         wire.close()
-        log(step, loss)
+        log(step, local_losses[i : i + 1])
         strategy.after_step(step + 1)
 
-    losses = global_loss(local_losses, ctx.device)  # outside the meter
-    ran = args.steps - start_step  # a resumed run reports the steps it ran
+    losses = global_loss(local_losses)  # outside the meter
     comm_formula, memory_formula = strategy.formulas(ran)
-    memory["activations_peak"] = activations.peak_bytes
-    if (cuda_peak := cuda_peak_bytes(ctx.device)) is not None:
-        memory["cuda_max_allocated"] = cuda_peak
+    memory["activations_peak"] = activations.peak_bytes if activations is not None else None
+    if peak.bytes is not None:
+        memory["cuda_max_allocated"] = peak.bytes
     report = {
         "chapter": chapter, "strategy": strategy.name, "world_size": ctx.world_size,
         "mesh": strategy.mesh, "backend": ctx.backend, "device": str(ctx.device),

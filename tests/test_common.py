@@ -14,6 +14,7 @@ from common.comm import CommMeter, all_gather_single, reduce_scatter_single
 from common.data import ByteCorpus, SyntheticTokens, local_micro_batches
 from common.dist import LaunchError, env_world_size, pick_backend
 from common.memory import ActivationMeter, model_state_bytes, storage_bytes
+from common.reference import SCALE_FLOOR, relative_diff
 from common.report import comm_convention, emit_report
 from common.wire import WireMeter
 
@@ -174,3 +175,22 @@ def test_wire_meter_reports_none_where_it_cannot_observe():
     wire.close()
     assert wire.report(1000.0) == {"comm_observed_lo_bytes": None,
                                    "comm_observed_lo_noise_bytes": None, "comm_written_bytes": None}
+
+
+def test_relative_diff_does_not_divide_rounding_noise_by_rounding_noise():
+    """A tensor that is zero in exact arithmetic (wq's gradient when seq_len = 1) holds ~1e-17 of
+    rounding noise in both runs, different on different CPUs: measured against the model's scale,
+    not its own, so the verdict does not depend on the machine."""
+    big = torch.linspace(-1.0, 1.0, 50, dtype=torch.float64)
+    noise = torch.randn(8, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 1e-17
+    ours, ref = {"w2": big.clone(), "wq": noise}, {"w2": big, "wq": -noise}
+    assert relative_diff(ours, ref) < 1e-12
+    assert relative_diff({"wq": noise}, {"wq": -noise}) == pytest.approx(2.0)  # alone, it is its scale
+
+
+def test_relative_diff_still_sees_a_small_bug_in_any_tensor_above_the_floor():
+    big = torch.linspace(-1.0, 1.0, 50, dtype=torch.float64)
+    small = torch.full((4,), 10 * SCALE_FLOOR, dtype=torch.float64)
+    assert relative_diff({"a": big, "b": small * (1 + 1e-6)}, {"a": big, "b": small}) == pytest.approx(1e-6)
+    tiny = torch.full((4,), SCALE_FLOOR / 100, dtype=torch.float64)  # below the floor: 1/100 as loud
+    assert relative_diff({"a": big, "b": tiny * 2}, {"a": big, "b": tiny}) == pytest.approx(1e-2)

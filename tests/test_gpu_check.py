@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from common.gpu_check import (
-    PRECISIONS,
+    CHECKS,
     REPO_ROOT,
     chapter_dirs,
-    chapter_flags,
     flops_per_token,
     main,
     peak_tflops,
+    row_argv,
     run_chapter,
     throughput,
 )
@@ -44,18 +44,43 @@ PACKAGES = {"01_data_parallel": "data_parallel", "02_ring_allreduce": "ring_allr
             "07_3d": "parallel3d"}
 
 
-@pytest.mark.parametrize("gpus", [1, 2, 4, 8])
-def test_every_chapter_accepts_the_gpu_check_command_line(gpus):
-    """The CUDA branch cannot run here, so its command lines are validated by each chapter's own
-    parse_args + validate (what every rank runs before init) for 1, 2, 4 and 8 GPUs."""
-    chapters = chapter_dirs()
-    assert {c.name for c in chapters} <= PACKAGES.keys()
-    for chapter in chapters:
-        train = importlib.import_module(f"{PACKAGES[chapter.name]}.train")
-        for flags in PRECISIONS.values():
-            argv = ["--model", "small", "--steps", "5", "--global-batch", str(8 * gpus), *flags,
-                    *chapter_flags(chapter.name, gpus)]
-            train.validate(train.parse_args(argv), gpus)
+@pytest.mark.parametrize("gpus", [1, 2, 3, 4, 8])
+def test_every_row_accepts_its_gpu_check_command_line(gpus):
+    """The CUDA branch cannot run here, so each row's command line is validated by its chapter's
+    own parse_args + validate (what every rank runs before init) on the ranks the row would use,
+    for 1, 2, 3, 4 and 8 GPUs; a row that needs more GPUs is skipped there, and says so."""
+    for check in CHECKS:
+        if gpus < check.min_gpus:
+            continue
+        train = importlib.import_module(f"{PACKAGES[check.chapter]}.train")
+        ranks = check.ranks(gpus)
+        assert 1 <= ranks <= gpus
+        for precision in check.precisions:
+            train.validate(train.parse_args(row_argv(check, precision, ranks)), ranks)
+
+
+def test_the_rows_cover_every_chapter_schedule_offload_and_prefetch():
+    from pipeline.schedules import SCHEDULES
+
+    assert {c.name for c in chapter_dirs()} == {c.chapter for c in CHECKS} <= PACKAGES.keys()
+    argvs = {c.label: row_argv(c, "float32", c.ranks(8)) for c in CHECKS}
+    pipeline = {a[a.index("--schedule") + 1] for label, a in argvs.items() if label.startswith("06")}
+    assert pipeline == set(SCHEDULES)
+    assert "--offload" in argvs["03 ZeRO-3 offload"] and "--no-prefetch" not in argvs["04 FSDP"]
+    assert all(c.checked for c in CHECKS) and len({c.label for c in CHECKS}) == len(CHECKS)
+
+
+def test_the_table_says_what_each_row_checked_and_why_one_was_skipped(capsys):
+    from common.gpu_check import print_table
+
+    rows = [{"label": "06 PP GPipe", "precision": "float32", "checked": "GPipe schedule",
+             "skipped": "needs 2 GPUs"},
+            {"label": "01 DDP", "precision": "float32", "checked": "bucketed all-reduce", "ok": True,
+             "world": 1, "max_grad_diff": 0.0, "tolerance": 1e-5, "comm_ratio": None,
+             "tokens_per_s": 10.0, "cuda_peak": 2**20, "state_formula": 2**20, "seconds": 1.0}]
+    print_table(rows, 1)
+    out = capsys.readouterr().out
+    assert "skipped: needs 2 GPUs  (GPipe schedule)" in out and "bucketed all-reduce" in out
 
 
 def test_without_cuda_it_says_so_in_one_line_and_fails(capsys):

@@ -3,13 +3,25 @@ only against the interface is checked in a few lines, and a broken one is caught
 
 from __future__ import annotations
 
+import argparse
+import importlib
+from collections import Counter
+from collections.abc import Callable
+from contextlib import ExitStack, contextmanager
+from unittest import mock
+
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
+import data_parallel.train as dp_train
+from common.data import SyntheticTokens
 from common.dist import init_distributed
+from common.memory import CudaPeakMeter
 from common.model import get_config
+from common.training import measure_activations, rank_micro_batches, run
 from data_parallel.train import STRATEGIES, DataParallelStrategy
 from tests.equivalence import (
     TrainSpec,
@@ -61,3 +73,204 @@ NEGATIVE = TrainSpec(cfg=get_config("tiny", n_layers=1), world_size=2, global_ba
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_toy_strategy_with_partial_clipping_norm_is_rejected(pools, optimizer):
     check_strategy_rejected(pools, with_spec(NEGATIVE, optimizer=optimizer), broken_clipping_strategy)
+
+
+@pytest.mark.parametrize("precision, margin", [({"dtype": "float32"}, 10.0),
+                                               ({"dtype": "float32", "mixed_precision": "bf16"}, 5.0)])
+def test_teacher_forced_check_still_rejects_a_broken_strategy_in_reduced_precision(pools, precision,
+                                                                                   margin):
+    """Reduced-precision properties compare each step from the strategy's own parameters (like
+    `--check`); that must not forgive a bug: the partial clipping norm misses by > 10× TOLERANCE
+    in float32 (measured grad 4e-1 against 1e-4) and > 5× in bf16 mixed (4e-1 against 5e-2)."""
+    check_strategy_rejected(pools, with_spec(NEGATIVE, optimizer="adamw", **precision),
+                            broken_clipping_strategy, margin=margin)
+
+
+# --- the loop on a GPU's terms: no host read inside a step, the peak over the windows only -------
+
+HOST_READS = ("item", "tolist", "__float__", "__bool__")
+
+
+@contextmanager
+def counting_host_reads(counts: Counter, where: Callable[[], str]):
+    """Count every read of a tensor's values into Python (a host sync on CUDA) by `where()`."""
+    def counted(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            counts[where(), name, str(self.dtype)] += 1
+            return original(self, *args, **kwargs)
+        return read
+
+    with ExitStack() as stack:
+        for name in HOST_READS:
+            stack.enter_context(mock.patch.object(torch.Tensor, name, counted(name)))
+        yield
+
+
+class WindowTracker(dp_train.DataParallelStrategy):
+    """DDP that tells the counter which part of the loop runs: its forward_backward, its
+    optimizer step (AdamW reads its CPU step counters there: not a device sync), or the loop."""
+
+    part = "loop"
+
+    def forward_backward(self, micro_batches):
+        WindowTracker.part = "forward_backward"
+        try:
+            loss = super().forward_backward(micro_batches)
+        finally:
+            WindowTracker.part = "loop"
+        assert isinstance(loss, torch.Tensor) and loss.dim() == 0 and not loss.requires_grad
+        return loss
+
+    def step(self) -> None:
+        WindowTracker.part = "optimizer step"
+        try:
+            super().step()
+        finally:
+            WindowTracker.part = "loop"
+
+
+def host_reads_of_a_run(argv: list[str]) -> tuple[Counter, dict]:
+    args = dp_train.parse_args(["--model", "tiny", "--seq-len", "8", "--global-batch", "8",
+                                "--grad-accum", "2", "--data", "synthetic", "--steps", "3", *argv])
+    layout = dp_train.validate(args, dist.get_world_size())
+    reads: Counter = Counter()
+    build = lambda a, ctx, _: WindowTracker(a, ctx, dp_train.STRATEGIES[a.strategy])  # noqa: E731
+    with counting_host_reads(reads, lambda: WindowTracker.part):
+        report = run(args, init_distributed(), layout, build, 1)
+    parts: Counter = Counter()
+    for (part, *_), n in reads.items():
+        parts[part] += n
+    return parts, report
+
+
+@pytest.mark.parametrize("log_every, loop_reads", [(0, 1), (2, 3)])
+def test_loop_reads_losses_only_on_logged_steps_and_once_at_the_end(pools, log_every, loop_reads):
+    """3 steps of 2 micro-batches: forward_backward reads nothing (its loss stays a tensor); the
+    loop reads one [k, 2] loss buffer per logged step (steps 2 and 3 for --log-every 2) and once
+    at the end. The saved-tensor meter is off when asked (on CUDA, by default)."""
+    flags = ["--log-every", str(log_every)] + (["--no-measure-activations"] if log_every else [])
+    (reads, report), _ = pools.run(2, host_reads_of_a_run, flags)
+    assert reads["forward_backward"] == 0, reads
+    assert reads["loop"] == loop_reads, reads
+    assert len(report["losses"]) == 3 and all(5 < loss < 6 for loss in report["losses"])
+    peak = report["memory"]["activations_peak"]
+    assert (peak is None) if log_every else (peak > 0)
+
+
+def forward_backward_reads(module: str, argv: list[str]) -> tuple[Counter, bool]:
+    """One forward_backward of a chapter's strategy under the read counter; (the reads, whether
+    this rank returned a loss, which must then be a 0-dim tensor)."""
+    chapter = importlib.import_module(module)
+    args = chapter.parse_args(["--model", "tiny", "--seq-len", "8", "--data", "synthetic", *argv])
+    layout = chapter.validate(args, dist.get_world_size())
+    strategy = chapter.build(args, init_distributed(), layout)
+    tokens = SyntheticTokens(256, 8, 0).global_batch(0, args.global_batch)
+    micro = rank_micro_batches(strategy, tokens, layout.micro_batch, torch.device("cpu"))
+    reads: Counter = Counter()
+    with counting_host_reads(reads, lambda: "forward_backward"):
+        loss = strategy.forward_backward(micro)
+    assert loss is None or (isinstance(loss, torch.Tensor) and loss.dim() == 0), type(loss)
+    return reads, loss is not None
+
+
+TWO_MICRO = ["--global-batch", "4", "--grad-accum", "2"]
+
+
+@pytest.mark.parametrize("module, argv", [
+    ("data_parallel.train", ["--strategy", "naive", *TWO_MICRO]),
+    ("zero.train", ["--stage", "3", *TWO_MICRO]),
+    ("fsdp.train", TWO_MICRO),
+    ("fsdp.train", ["--impl", "torch-fsdp2", *TWO_MICRO]),
+    ("tensor_parallel.train", ["--tp", "2", *TWO_MICRO]),
+    ("pipeline.train", ["--schedule", "1f1b", "--global-batch", "4", "--microbatches", "4"]),
+    ("parallel3d.train", ["--pp", "2", "--dp", "1", "--tp", "1", "--global-batch", "4",
+                          "--microbatches", "4"]),
+])
+def test_forward_backward_reads_no_value_to_the_host(pools, module, argv):
+    """§5 of issue 16: `.item()` per micro-batch, or a data-dependent branch (`.any()` in the
+    vocab-parallel loss), is a host sync on a GPU; the loss comes back as a device tensor."""
+    results = pools.run(2, forward_backward_reads, module, argv)
+    assert [reads for reads, _ in results] == [Counter(), Counter()]
+    assert any(has_loss for _, has_loss in results)
+
+
+def test_vocab_parallel_loss_decides_the_padding_on_the_host():
+    """vocab 6 in a range of 8 columns: the 2 padding columns are masked from the shapes (no
+    `.any()`/bool read of the data), and the loss and gradient are those of the 6 real columns."""
+    from tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+
+    logits = torch.randn(3, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    targets = torch.tensor([[0, 5, 2, 1], [3, 4, 5, 0], [1, 1, 2, 3]])
+    ours, theirs = logits.clone().requires_grad_(), logits[..., :6].clone().requires_grad_()
+    reads: Counter = Counter()
+    with counting_host_reads(reads, lambda: "loss"):
+        loss = vocab_parallel_cross_entropy(ours, targets, None, vocab_start=0, vocab_size=6)
+        loss.backward()
+    assert not reads, reads
+    expected = torch.nn.functional.cross_entropy(theirs.flatten(0, 1), targets.flatten())
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=0)
+    torch.testing.assert_close(ours.grad[..., :6], theirs.grad, rtol=1e-12, atol=1e-15)
+    assert (ours.grad[..., 6:] == 0).all()
+
+
+class FakeAllocator:
+    """The CUDA caching allocator's counters, driven by hand: `alloc`/`free` move the live total."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+
+    def alloc(self, n: int) -> None:
+        self.live += n
+        self.peak = max(self.peak, self.live)
+
+    def free(self, n: int) -> None:
+        self.live -= n
+
+    @contextmanager
+    def installed(self):
+        reset = lambda device=None: setattr(self, "peak", self.live)  # noqa: E731
+        with mock.patch("torch.cuda.reset_peak_memory_stats", reset), \
+                mock.patch("torch.cuda.max_memory_allocated", lambda device=None: self.peak), \
+                mock.patch("torch.cuda.memory_allocated", lambda device=None: self.live):
+            yield self
+
+
+def test_cuda_peak_counts_the_windows_only_and_not_the_check_reference():
+    """The loop's sequence on rank 0 of a sharded job, against a fake allocator: building the
+    full model then sharding it (peak 1000), the --check reference resident (300), per step a
+    window that finds 100 of shards resident and allocates 50, the --check gathers (400) outside,
+    the reference's step (its AdamW state, 60, stays), then the optimizer window (+20). The
+    strategy's peak is 100 + 50 = 150: no reset would give 1000, no exclusion 510."""
+    with FakeAllocator().installed() as fake:
+        fake.alloc(1000)
+        fake.free(900)  # the full model built, then sharded: 100 resident
+        peak = CudaPeakMeter(torch.device("cuda", 0))
+        with peak.exclude():
+            fake.alloc(300)
+        for step in range(2):
+            with peak:
+                fake.alloc(50)
+                fake.free(50)
+            fake.alloc(400)  # gathered full gradients and parameters, to the reference
+            with peak.exclude():
+                fake.alloc(30)  # the reference's step: its temporaries
+                fake.free(30)
+                if step == 0:
+                    fake.alloc(60)  # its optimizer state, created at its first step
+            fake.free(400)
+            with peak:
+                fake.alloc(20)
+                fake.free(20)
+    assert peak.bytes == 150
+    assert CudaPeakMeter(torch.device("cpu")).bytes is None
+
+
+def test_activation_meter_is_opt_in_on_cuda_only():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert measure_activations(argparse.Namespace(), cpu)
+    assert not measure_activations(argparse.Namespace(), cuda)
+    assert measure_activations(argparse.Namespace(measure_activations=True), cuda)
+    assert not measure_activations(argparse.Namespace(measure_activations=False), cpu)

@@ -1,6 +1,7 @@
-"""Checkpoint save/load time and bytes on disk: parallel3d.checkpoint vs torch.distributed.checkpoint.
+"""Chapter 07 benchmark: checkpoint save/load time and bytes on disk, parallel3d.checkpoint vs
+torch.distributed.checkpoint.
 
-    torchrun --standalone --nproc-per-node 8 07_3d/bench_checkpoint.py --model small --mesh 2,2,2
+    torchrun --standalone --nproc-per-node 8 07_3d/bench.py --model small --mesh 2,2,2   (or `make bench-7`)
 
 Each rank holds its dp × pp × tp slices (shard_layout.llama_3d_layout) of the weights and of
 AdamW's exp_avg and exp_avg_sq, random numbers of the run's dtype (a checkpoint's cost does not
@@ -8,7 +9,9 @@ depend on the values). Both libraries get the same pieces per rank: DCP (FileSys
 fsync on, one .distcp file per rank) saves them under per-rank keys; ours as sharded regions.
 Timed from a barrier to a barrier, best of --repeats; loads read back into the same mesh, and for
 ours also into --reshard-mesh (DCP would need DTensors for that). Page cache is warm for both:
-these are CPU-side costs (serialization, checksums, fsync), not disk bandwidth.
+these are CPU-side costs (serialization, checksums, fsync), not disk bandwidth; the pieces live in
+host memory on every backend, so no GPU work runs inside a timed window. The meshes must multiply
+to the world size (8 ranks by default: `make bench-7`; e.g. `--mesh 1,1,2 --reshard-mesh 1,2,1` on 2).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from common.dist import init_distributed, print0
+from common.dist import LaunchError, env_world_size, init_distributed, print0, shutdown
 from common.model import get_config
 from parallel3d.checkpoint import Shard, describe_shards, plan_writes, save_checkpoint
 from parallel3d.checkpoint_load import load_checkpoint
@@ -58,7 +61,8 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def bench(model: str, mesh, reshard_mesh, dtype: torch.dtype, repeats: int, base: Path) -> dict:
+def bench(model: str, mesh, reshard_mesh, dtype: torch.dtype, repeats: int, base: Path,
+          device: torch.device) -> dict:
     cfg = get_config(model if model in ("tiny", "small") else "small", **CONFIGS.get(model, {}))
     rank = dist.get_rank()
     shards = rank_state(cfg, mesh, rank, dtype)
@@ -87,7 +91,7 @@ def bench(model: str, mesh, reshard_mesh, dtype: torch.dtype, repeats: int, base
         res["dcp_load"].append(timed(lambda b=back: dcp.load(b, checkpoint_id=str(dcp_dir))))
     best = {k: min(v) for k, v in res.items()}
     held = sum(s.tensor.numel() * s.tensor.element_size() for s in shards.values())
-    total = torch.tensor([held], dtype=torch.float64)
+    total = torch.tensor([held], dtype=torch.float64, device=device)  # NCCL: on the rank's GPU
     dist.all_reduce(total)
     latest = (ours_dir / "latest").read_text().strip()
     return {"model": model, "mesh": mesh, "reshard_mesh": reshard_mesh, "dtype": str(dtype),
@@ -96,7 +100,7 @@ def bench(model: str, mesh, reshard_mesh, dtype: torch.dtype, repeats: int, base
             "save_ratio": best["save"] / best["dcp_save"], "load_ratio": best["load"] / best["dcp_load"]}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", nargs="+", default=["small", "medium"], choices=["tiny", *CONFIGS])
     p.add_argument("--mesh", default="2,2,2", help="dp,pp,tp of the save")
@@ -104,17 +108,40 @@ def main() -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    for flag in ("mesh", "reshard_mesh"):
+        try:
+            shape = tuple(int(x) for x in getattr(args, flag).split(","))
+        except ValueError:
+            shape = ()
+        if len(shape) != 3 or min(shape) < 1:
+            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)!r}: give dp,pp,tp, e.g. 2,2,2")
+        setattr(args, flag, shape)
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        world = env_world_size()  # checked before the process group exists
+    except LaunchError as error:
+        raise SystemExit(f"error: {error}") from None
+    for flag, (dp, pp, tp) in (("--mesh", args.mesh), ("--reshard-mesh", args.reshard_mesh)):
+        if dp * pp * tp != world:
+            raise SystemExit(f"error: {flag} {dp},{pp},{tp} has {dp * pp * tp} ranks, the job "
+                             f"{world}: give a dp,pp,tp whose product is {world}")
     ctx = init_distributed()
-    mesh = tuple(int(x) for x in args.mesh.split(","))
-    reshard_mesh = tuple(int(x) for x in args.reshard_mesh.split(","))
+    mesh, reshard_mesh = args.mesh, args.reshard_mesh
     base = Path(args.dir or tempfile.gettempdir()) / "pfs-bench-checkpoint"
     rows = []
     for model in args.model:
         if ctx.is_main:
             shutil.rmtree(base, ignore_errors=True)
         dist.barrier()
-        rows.append(bench(model, mesh, reshard_mesh, getattr(torch, args.dtype), args.repeats, base))
+        rows.append(bench(model, mesh, reshard_mesh, getattr(torch, args.dtype), args.repeats, base,
+                          ctx.device))
     print0(f"{'model':8} {'state MiB':>9} {'save s':>8} {'DCP save':>9} {'ratio':>6} {'load s':>8} "
            f"{'DCP load':>9} {'ratio':>6} {'reshard':>8} {'MiB ours':>9} {'MiB DCP':>8}")
     for r in rows:
@@ -125,7 +152,7 @@ def main() -> None:
     print0(json.dumps(rows))
     if ctx.is_main:
         shutil.rmtree(base, ignore_errors=True)
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":
