@@ -89,12 +89,16 @@ def _destroy_subgroups() -> None:
     keeps a TCP loop thread that wakes up while idle, and a pool that lives for the whole session
     would otherwise collect hundreds of them (measured: 64 per rank of the 8-rank pool, burning a
     third of the machine while later tests ran)."""
+    import gc
+
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
+    gc.collect()  # what still holds a group (a strategy in a reference cycle) lets it go first
     for group in list(c10d._world.pg_map):
         if group is not dist.group.WORLD:
             dist.destroy_process_group(group)
+    gc.collect()
 
 
 class RankPool:
@@ -179,6 +183,17 @@ def _current_test() -> str:
     return os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
 
 
+MAX_THREADS = 48  # a fresh rank has ~6 threads; each live gloo group adds ~3
+
+
+def _thread_count(pid: int) -> int:
+    """Threads of a process (Linux /proc); 0 where that cannot be read."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return 0
+
+
 def _in_property() -> bool:
     from hypothesis.control import currently_in_test_context
 
@@ -204,10 +219,23 @@ class Pools:
             raise RankTimeoutError(f"not run: an earlier example of this property hung, and a "
                                    f"property stops at its first hang. {self.hung[1]}")
         try:
-            return self(world_size).run(fn, *args, **kwargs)
+            results = self(world_size).run(fn, *args, **kwargs)
         except RankTimeoutError as error:
             self.hung = (_current_test(), str(error))
             raise
+        self._recycle_if_crowded(world_size)
+        return results
+
+    def _recycle_if_crowded(self, world_size: int) -> None:
+        """Close a pool whose ranks hold more than MAX_THREADS threads (it is rebuilt on next
+        use). A gloo process group owns a TCP loop thread that wakes while idle, and groups that
+        test code keeps referenced from C++ (hooks, pending work) outlive `_destroy_subgroups`:
+        64 of them per rank of the 8-rank pool burned a third of the machine during later tests."""
+        pool = self._pools[world_size]
+        counts = [_thread_count(proc.pid) for proc in pool.procs]
+        if max(counts) > MAX_THREADS:
+            pool.close()
+            del self._pools[world_size]
 
     def close(self) -> None:
         for pool in self._pools.values():

@@ -120,15 +120,13 @@ CFG = get_config("tiny", n_layers=4, n_kv_heads=2, vocab_size=250)  # 250: TP 4 
 MESHES = [(dp, pp, tp) for dp in (1, 2, 3, 4) for pp in (1, 2, 4) for tp in (1, 2, 4)
           if dp * pp * tp <= 4 and check_mesh(CFG, dp, pp, tp) is None]
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
-_groups: dict[tuple[int, ...], object] = {}
 
 
 def subgroup(world: int):
-    """Ranks [0, world) of the pool as a group (created once per pool, on every rank)."""
-    ranks = tuple(range(world))
-    if ranks not in _groups:
-        _groups[ranks] = dist.new_group(list(ranks))
-    return _groups[ranks] if dist.get_rank() < world else None
+    """Ranks [0, world) of the pool as a group, made on every rank (new_group is collective over
+    the pool); the harness destroys it after the call."""
+    group = dist.new_group(list(range(world)))
+    return group if dist.get_rank() < world else None
 
 
 def full_model_state(dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
