@@ -183,7 +183,7 @@ def _current_test() -> str:
     return os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
 
 
-MAX_THREADS = 48  # a fresh rank has ~6 threads; each live gloo group adds ~3
+MAX_THREADS = 128  # a fresh rank has ~6 threads; each live gloo group adds ~3
 
 
 def _thread_count(pid: int) -> int:
