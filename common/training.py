@@ -45,7 +45,15 @@ from torch import nn
 from common.cli import DTYPES, BatchLayout, ConfigError, exit_on_config_error, model_config
 from common.comm import CommMeter
 from common.data import ByteCorpus, SyntheticTokens, local_micro_batches
-from common.dist import DistContext, LaunchError, env_world_size, init_distributed, seed_everything, shutdown
+from common.dist import (
+    DistContext,
+    LaunchError,
+    env_world_size,
+    init_distributed,
+    seed_everything,
+    shutdown,
+    synchronize,
+)
 from common.memory import ActivationMeter, CudaPeakMeter, model_state_bytes
 from common.reference import LockstepReference
 from common.report import comm_convention, emit_report
@@ -138,12 +146,6 @@ def make_data(args: argparse.Namespace, device: torch.device | None = None):
             raise RuntimeError(f"the ranks read different corpora from --data {args.data or '(repo)'}: "
                                "a file changed while the job started; rerun, or pass a fixed --data FILE")
     return corpus
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (CUDA only) before a clock is read."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure_activations(args: argparse.Namespace, device: torch.device) -> bool:
