@@ -17,11 +17,20 @@ collectives match across ranks even if autograd's order differs.
 
 `reduce_dtype=torch.float32` with bf16 parameters keeps the buckets in fp32 (Megatron's
 `main_grad`): each micro-batch's bf16 gradient is added into `param.main_grad` and freed, and the
-sum is reduced in fp32 (2(n-1)/n · P · 4 bytes). Depends only on torch.
+sum is reduced in fp32 (2(n-1)/n · P · 4 bytes).
+
+`bucket_cap_mb=None` is one bucket of everything (per dtype), 0 one bucket per parameter (torch's
+own DDP reads None as its 25 MiB default). A parameter that gets no gradient in a step (a branch
+not taken, on some ranks or on all) is an error naming it, unless `find_unused_parameters=True`:
+then, as torch does, it is marked ready at the end of backward with a zero gradient, so every rank
+reduces every bucket, and one all-reduce of a used-flag per parameter finds those that no rank
+used: their `.grad` is set to None, so the optimizer skips them as it would on one device after
+`zero_grad()` (torch's leaves a zeroed `.grad` in place). Depends only on torch.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -62,23 +71,28 @@ class DistributedDataParallel(nn.Module):
     """`loss.backward()` leaves the averaged gradient in `param.grad` (or, with a wider
     `reduce_dtype`, in `param.main_grad`) on every rank."""
 
-    def __init__(self, module: nn.Module, group=None, bucket_cap_mb: float = 25.0,
-                 all_reduce: Callable | None = None, reduce_dtype: torch.dtype | None = None):
+    def __init__(self, module: nn.Module, group=None, bucket_cap_mb: float | None = 25.0,
+                 all_reduce: Callable | None = None, reduce_dtype: torch.dtype | None = None,
+                 find_unused_parameters: bool = False):
         """`all_reduce`: a drop-in for `dist.all_reduce(tensor, op=, group=, async_op=True)`
         returning a handle with `.wait()`, e.g. chapter 02's `ring_all_reduce`."""
         super().__init__()
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb={bucket_cap_mb} must be > 0 (e.g. 25, torch's default)")
+        if bucket_cap_mb is not None and not bucket_cap_mb >= 0:
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb} must be >= 0 (25 is torch's default; "
+                             "0: a bucket per parameter; None: one bucket)")
         self.module, self.group, self._all_reduce = module, group, all_reduce
         self.world_size = dist.get_world_size(group)
+        self.find_unused_parameters = find_unused_parameters
         self._sync, self._pending = True, False
+        self._used: set[nn.Parameter] = set()  # got a gradient since the last reduction
         broadcast_module(module, group)
 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.main_grad = reduce_dtype is not None and any(p.dtype != reduce_dtype for _, p in named)
         self.buckets: list[Bucket] = []
         self._slot: dict[nn.Parameter, tuple[int, int, torch.Tensor]] = {}
-        for b, members in enumerate(assign_buckets(named, bucket_cap_mb * 2**20)):
+        cap = math.inf if bucket_cap_mb is None else bucket_cap_mb * 2**20
+        for b, members in enumerate(assign_buckets(named, cap)):
             params = [p for _, p in members]
             buffer = torch.zeros(sum(p.numel() for p in params), device=params[0].device,
                                  dtype=reduce_dtype if self.main_grad else params[0].dtype)
@@ -115,14 +129,23 @@ class DistributedDataParallel(nn.Module):
             for p, (_, _, slot) in self._slot.items():
                 p.grad = slot
 
+    def _adopt(self, p: nn.Parameter, slot: torch.Tensor) -> None:
+        """Make p.grad its bucket slot again (the optimizer may have set it to None: a fresh
+        tensor, or nothing, which is a zero gradient)."""
+        if p.grad is None:
+            slot.zero_()
+        elif p.grad.data_ptr() != slot.data_ptr():
+            slot.copy_(p.grad)
+        p.grad = slot
+
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         b, i, slot = self._slot[p]
+        self._used.add(p)
         if self.main_grad:
             slot.add_(p.grad)  # bf16 → fp32 accumulation, every micro-batch
             p.grad = None
-        elif p.grad.data_ptr() != slot.data_ptr():  # the optimizer set it to None: re-adopt
-            slot.copy_(p.grad)
-            p.grad = slot
+        else:
+            self._adopt(p, slot)
         if not self._sync:
             return
         bucket = self.buckets[b]
@@ -151,17 +174,39 @@ class DistributedDataParallel(nn.Module):
         if not self._pending:
             return
         self._pending = False
-        missing = [name for bucket in self.buckets for i, name in enumerate(bucket.names)
+        missing = [(bucket, i) for bucket in self.buckets for i in range(len(bucket.params))
                    if i not in bucket.ready]
+        untouched = {p for p in self._slot if p not in self._used}
+        if self.find_unused_parameters:  # on every rank, every step: the all-reduces must match
+            for bucket, i in missing:  # every rank then launches every bucket, in index order
+                if not self.main_grad:
+                    self._adopt(bucket.params[i], self._slot[bucket.params[i]][2])
+                bucket.ready.add(i)
+            self._launch_ready_buckets()
+            unused_everywhere = self._unused_on_every_rank(untouched)
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
                 bucket.buffer.div_(self.world_size)
             bucket.ready.clear()
             bucket.work = None
-        self._next_bucket = 0
-        if missing:
+        self._next_bucket, self._used = 0, set()
+        if not self.find_unused_parameters and missing:
+            names = [bucket.names[i] for bucket, i in missing]
             raise RuntimeError(
-                f"parameters received no gradient this step: {missing}. Every parameter must take "
-                "part in the loss (or set requires_grad=False on the unused ones)"
+                f"parameters received no gradient this step: {names}. Every parameter must take "
+                "part in the loss, or set requires_grad=False on the unused ones, or pass "
+                "find_unused_parameters=True"
             )
+        if self.find_unused_parameters and not self.main_grad:
+            for p in unused_everywhere:  # as on one device: no gradient, the optimizer skips it
+                p.grad = None
+
+    def _unused_on_every_rank(self, untouched: set[nn.Parameter]) -> list[nn.Parameter]:
+        """Of the parameters this rank did not use since the last reduction, those no rank used:
+        one all-reduce (MIN) of a flag per parameter, after every bucket was launched."""
+        params = list(self._slot)
+        flags = torch.tensor([p in untouched for p in params], dtype=torch.int32,
+                             device=self.buckets[0].buffer.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=self.group)
+        return [p for p, flag in zip(params, flags.tolist(), strict=True) if flag]

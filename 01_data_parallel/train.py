@@ -17,9 +17,11 @@ import torch
 from torch import nn
 
 from common.cli import DTYPES, BatchLayout, base_parser, batch_layout, model_config, require, validate_common
+from common.clip import clip_grad_norm_
 from common.data import split_inputs_targets
 from common.dist import DistContext
 from common.memory import optimizer_state_tensors, storage_bytes
+from common.mixed_precision import MasterWeights
 from common.model import build_model, loss_fn
 from common.reference import make_optimizer
 from common.training import Strategy, run_main
@@ -62,9 +64,8 @@ class DataParallelStrategy(Strategy):
         self.model = build_model(cfg, args.seed, torch.bfloat16 if self.mixed else DTYPES[args.dtype],
                                  ctx.device)
         self.dp = wrap(self.model, args)
-        self.master = ([p.detach().float().requires_grad_() for p in self.model.parameters()]
-                       if self.mixed else list(self.model.parameters()))
-        self.optimizer = make_optimizer(self.master, args.optimizer, args.lr)
+        self.weights = MasterWeights(self.model.parameters(), enabled=self.mixed)
+        self.optimizer = make_optimizer(self.weights.master, args.optimizer, args.lr)
         self.name, self.clip_grad = getattr(args, "strategy", "ddp"), args.clip_grad
         self.mesh, self.dp_rank, self.dp_size = {"dp": ctx.world_size}, ctx.rank, ctx.world_size
         self.optimizer_name, self.reduce_itemsize = args.optimizer, (4 if self.mixed else
@@ -80,41 +81,38 @@ class DataParallelStrategy(Strategy):
             losses.append(loss.detach())  # no .item(): a host sync per micro-batch
         if isinstance(self.dp, NaiveDataParallel):
             self.dp.finish()  # the naive version reduces after backward, by hand
-        if self.mixed:
-            for master, p in zip(self.master, self.model.parameters(), strict=True):
-                master.grad = p.main_grad
+        if self.mixed:  # the fp32 main_grad buckets become the masters' grads, no copy
+            self.weights.grads_to_master([p.main_grad for p in self.model.parameters()])
         return torch.stack(losses).sum(dtype=torch.float64)
 
     def step(self) -> None:
+        """Every rank holds the whole averaged gradient: the local norm is the global one."""
         if self.clip_grad is not None:
-            torch.nn.utils.clip_grad_norm_(self.master, self.clip_grad, foreach=False)
+            clip_grad_norm_([m.grad for m in self.weights.master], self.clip_grad)
         self.optimizer.step()
-        if self.mixed:
-            with torch.no_grad():
-                for master, p in zip(self.master, self.model.parameters(), strict=True):
-                    p.copy_(master)
+        self.weights.copy_to_model()
 
     def zero_grad(self) -> None:
         if isinstance(self.dp, DistributedDataParallel):
             self.dp.zero_grad()  # in place: the gradients stay views of the buckets
-            if self.mixed:
-                for master in self.master:
-                    master.grad = None
+            self.weights.zero_grad()
         else:
             self.optimizer.zero_grad(set_to_none=True)
 
-    def full_gradients(self) -> dict[str, torch.Tensor]:
+    def _named(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         names = [n for n, _ in self.model.named_parameters()]
-        return {n: m.grad.detach() for n, m in zip(names, self.master, strict=True)}
+        return {n: t.detach() for n, t in zip(names, tensors, strict=True)}
+
+    def full_gradients(self) -> dict[str, torch.Tensor]:
+        return self._named([m.grad for m in self.weights.master])
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        names = [n for n, _ in self.model.named_parameters()]
-        return {n: m.detach() for n, m in zip(names, self.master, strict=True)}
+        return self._named(self.weights.master)
 
     def memory(self) -> dict[str, int]:
         grads = ([b.buffer for b in self.dp.buckets] if isinstance(self.dp, DistributedDataParallel)
                  else [p.grad for p in self.model.parameters()])
-        extra = self.master if self.mixed else []
+        extra = self.weights.master if self.mixed else []
         return {"params": storage_bytes(self.model.parameters()), "grads": storage_bytes(grads),
                 "optimizer": storage_bytes([*optimizer_state_tensors(self.optimizer), *extra])}
 
@@ -123,8 +121,8 @@ class DataParallelStrategy(Strategy):
         P·b_reduce grads, AdamW's m and v (2·P·b_master) and a step counter per tensor, plus the
         fp32 master copy (4P) in mixed precision: (2 + 4 + 12)·P bytes."""
         P = sum(p.numel() for p in self.model.parameters())
-        n_tensors, n = len(self.master), self.dp_size
-        param_bytes, master_bytes = self.model.output.weight.itemsize, self.master[0].itemsize
+        n_tensors, n = len(self.weights.master), self.dp_size
+        param_bytes, master_bytes = self.model.output.weight.itemsize, self.weights.master[0].itemsize
         opt = 2 * P * master_bytes + 4 * n_tensors if self.optimizer_name == "adamw" else 0
         opt += P * master_bytes if self.mixed else 0
         comm = steps * 2 * (n - 1) / n * P * self.reduce_itemsize

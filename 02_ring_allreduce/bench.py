@@ -4,12 +4,13 @@
 
 One launch measures every group size in --worlds (default: 2, 4, 8, … up to the launched ranks):
 the first n ranks form a subgroup (`dist.new_group`, which every rank calls, in the same order) and
-time the three all-reduces on float32 tensors side by side, round after round in a rotating order
-(the background load of a shared machine drifts during a run), while the other ranks wait at a
-barrier. A time is the mean of back-to-back calls on the slowest rank; each cell is
-the median of --rounds rounds. Reported as nccl-tests does: algbw = S / t and busbw = algbw ·
-2(n-1)/n (the per-link bandwidth an optimal all-reduce needs, comparable across n). The ring and
-the naive all-reduce run with check=False here, since torch's own does not check either.
+time the three all-reduces on float32 tensors side by side, interleaved by `common.bench` (round
+after round in a rotating order: the background load of a shared machine drifts during a run),
+while the other ranks wait at a barrier. A round times back-to-back calls; each cell is the median
+over --rounds rounds of the slowest rank's mean per call. Reported as nccl-tests does: algbw = S / t
+and busbw = algbw · 2(n-1)/n (the per-link bandwidth an optimal all-reduce needs, comparable across
+n). The ring and the naive all-reduce run with check=False here, since torch's own does not check
+either.
 Prints the table, the alpha-beta fit per algorithm (with at least two sizes; one size has nothing
 to fit), the ring/builtin busbw ratio at >= 16 MiB, saves the plot (--plot) and prints the results
 as JSON on the last line. A smoke run that finishes in seconds:
@@ -20,7 +21,6 @@ as JSON on the last line. A smoke run that finishes in seconds:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -30,18 +30,14 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from common import bench as harness
 from common.cli import ConfigError, exit_on_config_error, require
-from common.dist import LaunchError, env_world_size, init_distributed, shutdown, synchronize
+from common.dist import LaunchError, env_world_size, init_distributed
 from common.report import human_bytes
+from ring_allreduce import TIMED_ALL_REDUCES as ALGORITHMS
 from ring_allreduce.cost_model import AlphaBeta, bus_bandwidth, fit, naive_terms, ring_terms
-from ring_allreduce.naive import naive_all_reduce
-from ring_allreduce.ring import SEGMENT_BYTES, ring_all_reduce
+from ring_allreduce.ring import SEGMENT_BYTES
 
-ALGORITHMS = {
-    "ring": partial(ring_all_reduce, check=False),
-    "naive": partial(naive_all_reduce, check=False),
-    "builtin": lambda tensor, group: dist.all_reduce(tensor, group=group),
-}
 MODEL = {"ring": "ring", "naive": "naive", "builtin": "ring"}  # gloo's own all-reduce is a ring
 # Messages per ring step: ours cuts a chunk into SEGMENT_BYTES segments; gloo's own segmentation is
 # not known here, so the fit charges it one message per step.
@@ -104,21 +100,6 @@ def iterations(size_bytes: int) -> int:
     return max(2, min(100, (64 * 2**20) // size_bytes))
 
 
-def time_calls(fn, tensor: torch.Tensor, group, iters: int) -> float:
-    """Mean seconds per call on the slowest rank of `group` (the clock is read only after the
-    device finished its queued work: CUDA runs asynchronously)."""
-    synchronize(tensor.device)
-    dist.barrier(group=group)
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn(tensor, group=group)
-    synchronize(tensor.device)
-    elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64,
-                           device=tensor.device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-    return elapsed.item()
-
-
 def measure(sizes: list[int], worlds: list[int], algorithms: list[str], rounds: int,
             device: torch.device | str = "cpu") -> list[dict]:
     """Run on every rank of the world; returns the rows (the same on every member). Each subgroup
@@ -130,17 +111,13 @@ def measure(sizes: list[int], worlds: list[int], algorithms: list[str], rounds: 
             for size in sizes:
                 # Zeros: the values do not change the speed, and repeated in-place sums never overflow.
                 tensor = torch.zeros(size // 4, dtype=torch.float32, device=device)
-                iters, times = iterations(size), {a: [] for a in algorithms}
+                calls = {a: partial(ALGORITHMS[a], tensor, group=group) for a in algorithms}
+                seconds = harness.seconds_per_call(calls, iterations(size), rounds, tensor.device, group)
                 for a in algorithms:
-                    ALGORITHMS[a](tensor, group=group)  # warm-up
-                for k in range(rounds):  # rotating order: background load drifts during a run
-                    for a in algorithms[k % len(algorithms):] + algorithms[: k % len(algorithms)]:
-                        times[a].append(time_calls(ALGORITHMS[a], tensor, group, iters))
-                for a in algorithms:
-                    t = statistics.median(times[a])
+                    t = seconds[a]
                     rows.append({"n": n, "size": size, "algorithm": a, "seconds": t,
                                  "algbw": size / t, "busbw": bus_bandwidth(size, n, t)})
-                del tensor
+                del tensor, calls
         dist.barrier()
         dist.destroy_process_group(group)
         del group
@@ -265,11 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     ctx = init_distributed()
     start = time.perf_counter()
     rows = measure(sizes, worlds, algorithms, args.rounds, ctx.device)
-    if ctx.is_main:
-        summary = report(rows, algorithms, args.plot, ctx.world_size)
-        summary["wall_s"] = time.perf_counter() - start
-        print(json.dumps(summary), flush=True)
-    shutdown()
+    summary = report(rows, algorithms, args.plot, ctx.world_size) if ctx.is_main else {}
+    summary["wall_s"] = time.perf_counter() - start
+    harness.finish(summary)
     return 0
 
 

@@ -14,19 +14,19 @@
 from __future__ import annotations
 
 import argparse
-import statistics
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
+from common.bench import seconds_per_call
 from common.cli import BatchLayout, base_parser, batch_layout, require, validate_common
 from common.dist import DistContext
 from common.training import Strategy, run_main
 from data_parallel import DistributedDataParallel
 from data_parallel.train import DataParallelStrategy
+from ring_allreduce import TIMED_ALL_REDUCES as TIMED
 from ring_allreduce.agreement import CHECK_BYTES  # the call check's message (check=True)
-from ring_allreduce.bench import ALGORITHMS as TIMED
-from ring_allreduce.bench import time_calls
 from ring_allreduce.cost_model import bus_bandwidth
 from ring_allreduce.naive import naive_all_reduce
 from ring_allreduce.ring import AVG, MAX, MIN, PRODUCT, SUM, CheckOncePerShape, ring_all_reduce
@@ -89,15 +89,10 @@ def compare_bandwidth(size_mb: float, device: torch.device, rounds: int = 3, ite
     n = dist.get_world_size()
     tensor = torch.zeros(int(size_mb * 2**20) // 4, device=device)
     size = tensor.numel() * 4
-    times: dict[str, list[float]] = {name: [] for name in TIMED}
-    for fn in TIMED.values():
-        fn(tensor, group=None)  # warm-up
-    for _ in range(rounds):
-        for name, fn in TIMED.items():
-            times[name].append(time_calls(fn, tensor, None, iters))
+    seconds = seconds_per_call({name: partial(fn, tensor, group=None) for name, fn in TIMED.items()},
+                               iters, rounds, device)
     result: dict = {"size_bytes": size}
-    for name, seconds in times.items():
-        median = statistics.median(seconds)
+    for name, median in seconds.items():
         result[name] = {"seconds": median, "busbw_GBps": bus_bandwidth(size, n, median) / 1e9}
     return result
 

@@ -3,31 +3,28 @@ ZeroRedundancyOptimizer over torch DDP (the stage-1 yardstick), side by side in 
 
     torchrun --standalone --nproc-per-node 4 03_zero/bench.py      (or `make bench-3`)
 
-Five copies of the same model (same seed) in one process group, the same global batch each round.
-Every round runs one step of each strategy, in an order rotated by one per round (a loaded machine
-drifts; interleaving exposes all five to the same drift), after `--warmup` untimed rounds. A step
-is timed from a barrier to the end of the optimizer step and counts as its slowest rank's time;
-the table shows medians. Memory is the per-rank params + grads + optimizer state after a step,
-counted from live tensors. Prints a table, one JSON line, and writes bench.png beside this file.
+Five copies of the same model (same seed) in one process group, the same global batch each round,
+interleaved and timed by `common.bench` (one step of each per round in a rotated order, after
+`--warmup` untimed rounds; a step, from a barrier to the end of the optimizer step, counts as its
+slowest rank's time; the table shows medians). Memory is the per-rank params + grads + optimizer
+state after a step, counted from live tensors. Prints a table, one JSON line, and writes bench.png
+beside this file.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
+from functools import partial
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from common import bench as harness
 from common.cli import DTYPES
-from common.data import SyntheticTokens, local_micro_batches, split_inputs_targets
-from common.dist import LaunchError, env_world_size, init_distributed, print0, shutdown, synchronize
+from common.dist import print0
 from common.memory import model_state_bytes, storage_bytes
-from common.model import CONFIGS, build_model, count_parameters, get_config, loss_fn
+from common.model import build_model, count_parameters, get_config
 from common.reference import make_optimizer
 from zero import ZeroConfig, ZeroEngine
 
@@ -37,24 +34,12 @@ PNG = Path(__file__).with_name("bench.png")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", choices=CONFIGS, default="small")
+    p = harness.bench_parser(__doc__, warmup=2, steps=8)
     p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--global-batch", type=int, default=8, help="sequences per step (all ranks)")
-    p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--reduce-bucket-size", type=float, default=5e8, help="elements (DeepSpeed's default)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed rounds")
-    p.add_argument("--steps", type=int, default=8, help="timed rounds (one step of each strategy)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--png", default=str(PNG), help="where to write the chart ('' to skip)")
-    args = p.parse_args(argv)
-    for flag in ("global_batch", "seq_len", "steps", "reduce_bucket_size"):
-        if not getattr(args, flag) > 0:
-            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be positive")
-    if args.warmup < 0:
-        p.error(f"--warmup {args.warmup}: must be >= 0")
-    return args
+    return harness.parse_checked(p, argv, positive=("global_batch", "reduce_bucket_size"))
 
 
 class TorchZero1:
@@ -127,50 +112,26 @@ def plot(median: dict[str, float], memory: dict[str, dict[str, int]], title: str
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    try:
-        world = env_world_size()
-    except LaunchError as error:
-        raise SystemExit(f"error: {error}") from None
-    if args.global_batch % world:
-        raise SystemExit(f"error: --global-batch {args.global_batch} is not divisible by {world} "
-                         f"ranks: use a multiple of {world}")
-    ctx = init_distributed()
+    ctx = harness.launch(args.global_batch)
     cfg, dtype = get_config(args.model), DTYPES[args.dtype]
-    data = SyntheticTokens(cfg.vocab_size, args.seq_len, args.seed)
-    runs = {}
-    for s in STRATEGIES:
-        model = build_model(cfg, args.seed, dtype, ctx.device)
-        runs[s] = (TorchZero1(model, ctx.device) if s == "torch-zero-1"
-                   else Ours(model, int(s[-1]), int(args.reduce_bucket_size)))
+    fresh = lambda: build_model(cfg, args.seed, dtype, ctx.device)  # noqa: E731
+    runs = {s: TorchZero1(fresh(), ctx.device) if s == "torch-zero-1"
+            else Ours(fresh(), int(s[-1]), int(args.reduce_bucket_size)) for s in STRATEGIES}
     n_params = count_parameters(build_model(cfg, args.seed, dtype, "meta"))
+    memory = {}
 
-    times, memory = {s: [] for s in STRATEGIES}, {}
-    for r in range(args.warmup + args.steps):
-        (micro,) = local_micro_batches(data.global_batch(r, args.global_batch).to(ctx.device), ctx.rank,
-                                       world, args.global_batch // world)
-        inputs, targets = split_inputs_targets(micro)
-        for k in range(len(STRATEGIES)):
-            s = STRATEGIES[(r + k) % len(STRATEGIES)]
-            run = runs[s]
-            synchronize(ctx.device)
-            dist.barrier()
-            start = time.perf_counter()
-            loss_fn(run(inputs), targets).backward()
-            run.step()
-            synchronize(ctx.device)
-            elapsed = time.perf_counter() - start
-            memory[s] = run.memory()
-            run.zero_grad()
-            if r >= args.warmup:
-                times[s].append(elapsed)
+    def measure_and_zero(s: str, r: int) -> None:
+        memory[s] = runs[s].memory()
+        runs[s].zero_grad()
 
-    slowest = torch.tensor([times[s] for s in STRATEGIES], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    del runs, run, model  # free torch DDP and ZeroRedundancyOptimizer while the group lives
-    median = {s: statistics.median(slowest[i].tolist()) for i, s in enumerate(STRATEGIES)}
+    # an engine is both the model and its optimizer: run(inputs), run.step()
+    steps = {s: partial(harness.data_parallel_step, run, run.step) for s, run in runs.items()}
+    batches = harness.synthetic_batches(cfg.vocab_size, args.seq_len, args.seed, args.global_batch,
+                                        ctx.device)
+    median = harness.interleaved(steps, args.steps, args.warmup, ctx.device, batches, measure_and_zero).median
     stage1 = median["zero-1"] / median["torch-zero-1"]
     stage3 = median["zero-3"] / median["zero-0"]
-    title = (f"chapter 3 bench · {args.model} ({n_params:,} params, {args.dtype}) · dp={world} · "
+    title = (f"chapter 3 bench · {args.model} ({n_params:,} params, {args.dtype}) · dp={ctx.world_size} · "
              f"{ctx.backend} on {ctx.device} · batch {args.global_batch}×{args.seq_len}")
     print0(title + f" · median of {args.steps} steps (+{args.warmup} warm-up)")
     print0(f"{'strategy':<14}{'step ms':>9}{'/ zero-0':>10}{'params MiB':>12}{'grads MiB':>11}"
@@ -182,19 +143,18 @@ def main(argv: list[str] | None = None) -> None:
                f"{sum(m.values()) / 2**20:>11.2f}")
     met = stage1 <= TARGET
     print0(f"zero-1 / torch ZeroRedundancyOptimizer {stage1:.3f} (target ≤ {TARGET}: "
-           f"{'met' if met else 'MISSED'}) · zero-3 / zero-0 {stage3:.3f} (stage 3 all-gathers every "
+           f"{harness.verdict(met)}) · zero-3 / zero-0 {stage3:.3f} (stage 3 all-gathers every "
            "unit, a block, twice per step, blocking before its compute unless the prefetch hides it)")
     if ctx.is_main and args.png:
         plot(median, memory, title, args.png)
-    print0(json.dumps({
+    harness.finish({
         "chapter": 3, "bench": "zero", "model": args.model, "params": n_params, "dtype": args.dtype,
-        "world_size": world, "backend": ctx.backend, "device": str(ctx.device),
+        "world_size": ctx.world_size, "backend": ctx.backend, "device": str(ctx.device),
         "global_batch": args.global_batch, "seq_len": args.seq_len, "warmup": args.warmup,
         "steps": args.steps, "step_s_median": median, "memory_per_rank": memory,
         "ratios": {"zero1_over_torch_zero1": stage1, "zero3_over_zero0": stage3},
         "target": TARGET, "target_met": met,
-    }))
-    shutdown()
+    }, runs, steps)  # frees torch DDP and ZeroRedundancyOptimizer while the group lives
 
 
 if __name__ == "__main__":

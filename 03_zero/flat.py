@@ -6,6 +6,9 @@ of N owns the contiguous slice [r·s, (r+1)·s) with s = ⌈numel / N⌉:
     flat   │ wq ............ │ wk ....... │ norm │pad│       numel = Σ pᵢ, padded = N·s
     owner  │ rank 0      │ rank 1      │ rank 2      │ rank 3      │
 
+With whole-parameter ownership (`assign_owners`) rank r's tensors are laid inside slice r
+instead, so that no tensor crosses a slice boundary (s: the largest rank's share).
+
 Each parameter is then a view of its span (`p.data = flat[off : off + n].view(shape)`), so the
 model runs unchanged on the flat storage. Padding never belongs to a parameter: its gradient is
 never written (it stays 0), so it adds nothing to a norm and the optimizer leaves it at 0.
@@ -102,7 +105,7 @@ class FlatGroup:
     world: int
     rank: int
     persistent: bool = True  # stage 3: False means `flat` is gathered before use and freed after
-    numel: int = 0
+    numel: int = 0  # elements laid out: Σ pᵢ (whole-parameter ownership: with each slice's padding)
     offsets: list[int] = field(default_factory=list)
     flat: torch.Tensor | None = None
     shard: torch.Tensor | None = None
@@ -180,16 +183,42 @@ class FlatGroup:
             self.gathered = True
 
 
+def assign_owners(params: list[nn.Parameter], world: int) -> dict[int, int]:
+    """Whole-parameter ownership: largest tensor first, each to the rank holding the fewest
+    elements so far (ties: the lower rank), as torch's ZeroRedundancyOptimizer partitions.
+    {id(p): rank}."""
+    load, owner = [0] * world, {}
+    for p in sorted(params, key=lambda p: -p.numel()):  # stable: registration order among equals
+        rank = min(range(world), key=load.__getitem__)
+        owner[id(p)] = rank
+        load[rank] += p.numel()
+    return owner
+
+
 def make_groups(named_groups: list[list[tuple[str, nn.Parameter]]], world: int, rank: int,
-                persistent: list[bool] | None = None) -> list[FlatGroup]:
+                persistent: list[bool] | None = None,
+                owner: dict[int, int] | None = None) -> list[FlatGroup]:
+    """Lay each list of parameters end to end. With `owner` ({id(p): rank}, `assign_owners`)
+    rank r's parameters are laid inside its own slice instead, so that every slice holds whole
+    tensors: s = the largest rank's share of the group, the rest of each slice padding."""
     groups = []
     for i, members in enumerate(named_groups):
         g = FlatGroup([n for n, _ in members], [p for _, p in members], world, rank,
                       persistent=True if persistent is None else persistent[i])
-        offset = 0
-        for p in g.params:
-            g.offsets.append(offset)
-            offset += p.numel()
-        g.numel = offset
+        if owner is None:
+            offset = 0
+            for p in g.params:
+                g.offsets.append(offset)
+                offset += p.numel()
+            g.numel = offset
+        else:
+            shares = [[p for p in g.params if owner[id(p)] == r] for r in range(world)]
+            size = max(1, *(sum(p.numel() for p in share) for share in shares))
+            where = {}
+            for r, share in enumerate(shares):
+                offset = r * size
+                for p in share:
+                    where[id(p)], offset = offset, offset + p.numel()
+            g.offsets, g.numel = [where[id(p)] for p in g.params], world * size
         groups.append(g)
     return groups

@@ -8,7 +8,7 @@ instead of one per Linear (FSDP wraps the same blocks).
     forward   pre-hook:  all-gather unit i (or wait for its prefetch), prefetch unit i+1
               post-hook: free unit i                       (storage resized to 0 bytes)
     backward  hook on unit i's output gradient: all-gather unit i again, prefetch unit i-1
-              grads of unit i accumulated: free it, reduce-scatter its gradient (engine.py)
+              grads of unit i accumulated: free it, reduce-scatter its gradient (optimizer.py)
 
 so each parameter crosses the wire three times per micro-batch, (N-1)/N·Ψ·b each: two
 all-gathers and one reduce-scatter, 1.5× data parallelism's all-reduce. The order of the units is
@@ -27,24 +27,25 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from .engine import ZeroEngine
     from .flat import FlatGroup
+    from .optimizer import ZeroOptimizer
 
 
 class ParameterPartitioner:
     """The hooks of stage 3 on every unit's module (DeepSpeed's `DeepSpeedZeRoOffload` /
     partitioned-parameter coordinator, in miniature)."""
 
-    def __init__(self, engine: ZeroEngine):
-        self.engine = engine
+    def __init__(self, module: nn.Module, units: list[tuple[nn.Module, FlatGroup]], optimizer: ZeroOptimizer):
+        self.optimizer = optimizer
         self.groups: dict[nn.Module, list[FlatGroup]] = {}
-        for mod, g in engine.units:
+        for mod, g in units:
             self.groups.setdefault(mod, []).append(g)
         self.trace: list[nn.Module] = []
         self.traced, self.backward, self.cursor = False, False, 0
         self.fetched_for_backward: set[nn.Module] = set()
-        engine.module.register_forward_pre_hook(self._root_pre_forward)
-        engine.module.register_forward_hook(self._root_post_forward)
+        module.register_forward_pre_hook(self._root_pre_forward)
+        module.register_forward_hook(self._root_post_forward)
+        optimizer.end_of_backward_hooks.append(self.end_of_backward)
         for mod in self.groups:
             mod.register_forward_pre_hook(self._pre_forward)
             mod.register_forward_hook(self._post_forward)
@@ -65,14 +66,14 @@ class ParameterPartitioner:
                     if id(g) not in seen:
                         seen.add(id(g))
                         order.append(g)
-            rest = [g for g in self.engine.groups if id(g) not in seen]
-            self.engine.reduce_order = order + rest
+            rest = [g for g in self.optimizer.flat_groups if id(g) not in seen]
+            self.optimizer.reduce_order = order + rest
         self.backward, self.cursor = True, 0
 
     def _fetch(self, mod: nn.Module) -> None:
         """Gather `mod`'s shards (issue first, so it leads on the wire), prefetch the next unit
         of the trace, then wait for `mod`'s own."""
-        group = self.engine.group
+        group = self.optimizer.group
         for g in self._sharded(mod):
             g.gather(group)
         if not self.traced:
@@ -102,14 +103,14 @@ class ParameterPartitioner:
                     t.register_hook(lambda grad, mod=mod: self._pre_backward(mod))
 
     def _pre_backward(self, mod: nn.Module) -> None:
-        self.engine.ensure_end_of_backward_callback()
+        self.optimizer.ensure_end_of_backward_callback()
         if mod not in self.fetched_for_backward:  # once per unit per backward, whichever output
             self.fetched_for_backward.add(mod)
             self._fetch(mod)
 
     def end_of_backward(self) -> None:
         """Free whatever is still gathered (a prefetch the model did not use)."""
-        for g in self.engine.groups:
+        for g in self.optimizer.flat_groups:
             g.wait_gather()
             g.free()
         self.backward, self.cursor = False, 0

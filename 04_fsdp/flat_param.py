@@ -17,12 +17,20 @@ version counter, so autograd does not see the refill as an in-place change.
 The shard is filled parameter by parameter (`flat` itself is never built), and a unit built on
 the meta device gets each overlapping parameter's values from a callback: a rank materializes
 its 1/N, not the unit. With one shard (NO_SHARD, or a group of one) and no dtype change, `full`
-aliases the shard's storage: nothing is gathered or freed. Depends only on torch.
+aliases the shard's storage: nothing is gathered or freed.
+
+Rank r holds elements [r·S, (r+1)·S) of `flat`, so of a parameter at flat offset o with n elements
+it holds [max(r·S, o), min((r+1)·S, o+n)) − o: `ParamShard` (name, shape, offset, numel, and where
+the piece sits in the shard); `UnitShard` is one unit's public description. With `orig_params`
+(torch's use_orig_params=True) each original parameter stays registered as a view of its piece
+(1-D while sharded, its own shape with one shard), and its `.grad` is a view of the gradient shard.
+Depends only on torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -42,6 +50,41 @@ def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group, async_
     return fn(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
+@dataclass(frozen=True)
+class ParamShard:
+    """The piece of one original parameter this rank holds: `param.flatten()[offset : offset+numel]`,
+    stored at `flat_param[shard_offset : shard_offset+numel]` (numel 0: it holds none of it)."""
+
+    name: str  # original name from the FSDP root, wrapper segments removed
+    shape: torch.Size  # the parameter's full shape
+    offset: int
+    numel: int
+    shard_offset: int
+
+
+@dataclass(frozen=True)
+class UnitShard:
+    """One FSDP unit with parameters, as this rank holds it (see FullyShardedDataParallel.shard_layout).
+    The dtypes come from the unit's MixedPrecision config (None there: the shard's own dtype)."""
+
+    name: str  # the unit's module path from the root; "" is the root unit
+    flat_param: nn.Parameter  # this rank's 1-D shard; `.grad` is its gradient shard after backward
+    params: tuple[ParamShard, ...]  # every original parameter of the unit, in flat order
+    numel: int  # P_u
+    padded_numel: int  # P_u rounded up to shard_world · shard_numel
+    shard_numel: int
+    shard_rank: int
+    shard_world: int  # 1 for NO_SHARD (or a group of one)
+    param_dtype: torch.dtype  # what is gathered and computed with
+    reduce_dtype: torch.dtype  # what gradients are reduced in
+    full: torch.Tensor  # the gathered copy (its storage is empty while resharded)
+    aliased: bool  # `full` is the shard itself: never gathered nor freed
+
+    @property
+    def full_bytes(self) -> int:
+        return self.padded_numel * self.param_dtype.itemsize
+
+
 class FlatParamHandle:
     """The flat parameter of one unit: its shard, its gathered copy, its gradient reduction.
 
@@ -49,13 +92,14 @@ class FlatParamHandle:
     order; a parameter reachable under several names (tied within the unit) is stored once.
     Parameters on the meta device get their values from `init_fn(param)` (the full tensor, on
     any device), called only for those that overlap this rank's shard, one at a time; the shard
-    is allocated on `init_device` (default CPU): a rank holds its shard and one parameter at most."""
+    is allocated on `init_device` (default CPU): a rank holds its shard and one parameter at most.
+    `orig_params`: keep each original parameter registered, as a view of its piece of the shard."""
 
     def __init__(self, params: list[tuple[str, nn.Module, str]], group, shard: bool,
                  param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
                  on_event: Callable[[str, FlatParamHandle], None] | None = None,
                  init_fn: Callable[[nn.Parameter], torch.Tensor] | None = None,
-                 init_device: torch.device | None = None):
+                 init_device: torch.device | None = None, orig_params: bool = False):
         self.group, self.on_event, self.name = group, on_event, ""
         self.group_size = dist.get_world_size(group)
         self.shard_world = self.group_size if shard else 1
@@ -90,18 +134,22 @@ class FlatParamHandle:
                 raise ValueError(f"{self.names} are on the meta device: pass param_init_fn")
             device = torch.device(init_device or "cpu")
         shard = torch.zeros(self.shard_numel, dtype=dtype, device=device)
-        start, offset = self.shard_rank * self.shard_numel, 0
         with torch.no_grad():
-            for p, n in zip(originals, self.numels, strict=True):  # [lo, hi): p's part of the shard
-                lo, hi = max(start, offset), min(start + self.shard_numel, offset + n)
-                if lo < hi:
+            for p, (offset, n, at) in zip(originals, self.pieces(), strict=True):
+                if n:
                     full = init_fn(p) if p.is_meta else p.detach()
-                    shard[lo - start : hi - start] = full.reshape(-1)[lo - offset : hi - offset]
+                    shard[at : at + n] = full.reshape(-1)[offset : offset + n]
                     del full  # a drawn parameter must not outlive its copy: peak = shard + one
-                offset += n
         self.flat_param = nn.Parameter(shard, requires_grad=grads.pop())
-        for module, attr, _ in self.setters:
-            delattr(module, attr)  # the module's weights become views of `full` in forward
+        self.orig: list[nn.Parameter] | None = None
+        if orig_params:
+            self.orig = [nn.Parameter(piece, requires_grad=self.flat_param.requires_grad)
+                         for piece in self.split_shard(shard)]
+        for module, attr, i in self.setters:
+            if self.orig is None:
+                delattr(module, attr)  # the module's weights become views of `full` in forward
+            else:
+                module._parameters[attr] = self.orig[i]
         self.param_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
         self.alias = self.shard_world == 1 and self.param_dtype == dtype
@@ -121,6 +169,30 @@ class FlatParamHandle:
     def full_bytes(self) -> int:
         """Bytes of the gathered copy: P_u (padded) · b_param."""
         return self.padded * self.full.element_size()
+
+    # --- which piece of each parameter this rank holds ----------------------------------------
+
+    def pieces(self) -> list[tuple[int, int, int]]:
+        """(offset in the parameter, numel held, offset in the shard) for each parameter."""
+        start, out, offset = self.shard_rank * self.shard_numel, [], 0
+        end = start + self.shard_numel
+        for n in self.numels:
+            lo, hi = max(start, offset), min(end, offset + n)
+            out.append((lo - offset, hi - lo, lo - start) if lo < hi
+                       else (0, 0, min(max(offset - start, 0), self.shard_numel)))
+            offset += n
+        return out
+
+    def param_shards(self, prefix: str, clean: Callable[[str], str]) -> tuple[ParamShard, ...]:
+        return tuple(ParamShard(clean(prefix + name), shape, offset, n, at) for name, shape, (offset, n, at)
+                     in zip(self.names, self.shapes, self.pieces(), strict=True))
+
+    def split_shard(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's piece of a shard-sized tensor, as views: its own shape with one
+        shard, else 1-D (torch's use_orig_params shapes)."""
+        flat = flat.detach()
+        return [flat[at : at + n].view(shape) if self.shard_world == 1 else flat[at : at + n]
+                for (_, n, at), shape in zip(self.pieces(), self.shapes, strict=True)]
 
     # --- forward / backward life cycle --------------------------------------------------------
 
@@ -149,7 +221,15 @@ class FlatParamHandle:
         """Point every parameter attribute of the unit at its slice of `full`."""
         views = self.full.split([*self.numels, self.pad] if self.pad else self.numels)
         for module, attr, i in self.setters:
+            module._parameters.pop(attr, None)  # an original parameter steps aside for the forward
             setattr(module, attr, views[i].view(self.shapes[i]))
+
+    def register_orig_params(self) -> None:
+        """After the forward: register the original parameters (views of the shard) again."""
+        if self.orig is not None:
+            for module, attr, i in self.setters:
+                module.__dict__.pop(attr, None)
+                module._parameters[attr] = self.orig[i]
 
     def reshard(self) -> None:
         """Free the gathered copy (its views and saved activations keep the empty storage)."""
@@ -191,10 +271,30 @@ class FlatParamHandle:
         if self.group_size > 1:
             out.div_(self.group_size)
         out = out.to(self.flat_param.dtype)
+        if self.orig is not None:
+            self._take_orig_grads()
         if self.flat_param.grad is None:
             self.flat_param.grad = out
         else:
             self.flat_param.grad.add_(out)
+        if self.orig is not None:  # the original parameters' grads are views of the gradient shard
+            for p, piece in zip(self.orig, self.split_shard(self.flat_param.grad), strict=True):
+                p.grad = piece
+
+    def _take_orig_grads(self) -> None:
+        """What the user's optimizer did to the original parameters' grads since the last backward
+        (zero_grad(set_to_none=True), an assignment) becomes the gradient shard's state."""
+        flat = self.flat_param.grad
+        if flat is None:
+            return
+        if all(p.grad is None for p in self.orig):
+            self.flat_param.grad = None
+            return
+        for p, piece in zip(self.orig, self.split_shard(flat), strict=True):
+            if p.grad is None:
+                piece.zero_()
+            elif p.grad.data_ptr() != piece.data_ptr():
+                piece.copy_(p.grad)
 
     # --- whole tensors, for checks and checkpoints (collectives over the group) ---------------
 
@@ -207,16 +307,3 @@ class FlatParamHandle:
         all_gather_flat(out, shard.contiguous(), self.group)
         return out
 
-    def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """{original name: view of `flat` in the original shape}."""
-        views = flat[: self.numel].split(self.numels)
-        return {n: v.view(s) for n, v, s in zip(self.names, views, self.shapes, strict=True)}
-
-    def load_full(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy this rank's slice of full tensors (every rank passes all of them) into the shard."""
-        flat = torch.cat([tensors[n].detach().reshape(-1).to(self.flat_param) for n in self.names]
-                         + [torch.zeros(self.pad, dtype=self.flat_param.dtype,
-                                        device=self.flat_param.device)])
-        start = self.shard_rank * self.shard_numel
-        with torch.no_grad():
-            self.flat_param.copy_(flat[start : start + self.shard_numel])

@@ -22,7 +22,8 @@ bytes, no memory saving on parameters during the step. Persistent memory per ran
 Public API (stable; chapter 07 wraps a pipeline stage of tensor-parallel blocks over a DP group):
   FullyShardedDataParallel(module, process_group=None, sharding_strategy=, auto_wrap_policy=,
       mixed_precision=, device_id=, sync_module_states=False, forward_prefetch=True,
-      backward_prefetch=True, param_init_fn=None)  any nn.Module whose forward reads its weights
+      backward_prefetch=True, param_init_fn=None, use_orig_params=False)
+                                              any nn.Module whose forward reads its weights
                                               as attributes (module.weight); process_group may be
                                               a sub-group (ranks are group ranks). A module on
                                               the meta device: param_init_fn(name, meta param)
@@ -30,22 +31,26 @@ Public API (stable; chapter 07 wraps a pipeline stage of tensor-parallel blocks 
                                               only for those overlapping this rank's shards;
                                               the shards are allocated on device_id (default
                                               CPU), so no rank ever holds a whole unit
-  .parameters()                               the flat shards (give them to any torch optimizer)
+  .parameters()                               the flat shards (give them to any torch optimizer);
+                                              use_orig_params=True: the original parameters
+                                              under their names, views of their pieces (1-D
+                                              while sharded), grads views of the grad shard
+  .shard_layout()                             [UnitShard] per unit, root first: its flat shard,
+                                              and for every original parameter its ParamShard
+                                              (name, shape, offset, numel, shard_offset)
   .no_sync()                                  accumulate unsharded grads locally (call on the root)
   .clip_grad_norm_(max_norm, norm_type=2.0)   torch's clipping, norm over every shard of the group
-  .grad_norm_squared_local()                  this rank's Σ g² over its shards (no collective),
-                                              for a norm that also spans TP/PP groups
   .full_state_dict(rank0_only=True)           {original name: full tensor} on group rank 0
   .full_gradients(rank0_only=True)            the same for the shards' gradients (zeros if None)
   .load_full_state_dict(sd)                   every rank passes full tensors, keeps its slice
   .sharded_state_dict() / .load_sharded_state_dict(sd)  {"<unit>._flat_param": shard} per rank
   .units()                                    every FSDP instance under the root, root first;
-                                              each has .unit_name ("" for the root) and ._handle
-  .handles()                                  the FlatParamHandle of each unit with parameters
-                                              (flat_param, full, names, shapes, numels, padded,
-                                              shard_numel, shard_rank, shard_world, param_dtype,
-                                              reduce_dtype: see flat_param.py)
+                                              each has .unit_name ("" for the root)
   .memory_trace                               set to [] to record (event, unit, live bytes, phase)
+
+MixedPrecision(..., _module_classes_to_ignore=(RMSNorm,)) (torch's field): each module of those
+classes becomes its own unit in the module's dtype; it casts its inputs to that dtype and its
+outputs back to param_dtype.
 
 Semantics a caller may rely on: several forwards may precede their backwards (1F1B); every
 backward (each `backward()` call) ends with all reductions landed in the shards' `.grad` and
@@ -66,7 +71,7 @@ from torch import nn
 
 from .flat_param import FlatParamHandle
 from .state import WRAPPED, ShardedStateMixin, clean_name
-from .wrap import AutoWrapPolicy, MixedPrecision, ShardingStrategy, apply_auto_wrap
+from .wrap import AutoWrapPolicy, MixedPrecision, ShardingStrategy, apply_auto_wrap, exempting
 
 
 def _tensors(obj) -> list[torch.Tensor]:
@@ -109,7 +114,8 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
                  mixed_precision: MixedPrecision | None = None,
                  device_id: int | torch.device | None = None, sync_module_states: bool = False,
                  forward_prefetch: bool = True, backward_prefetch: bool = True,
-                 param_init_fn: Callable[[str, torch.Tensor], torch.Tensor] | None = None):
+                 param_init_fn: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+                 use_orig_params: bool = False):
         super().__init__()
         if not isinstance(sharding_strategy, ShardingStrategy):
             raise ValueError(f"sharding_strategy={sharding_strategy!r}: use a ShardingStrategy "
@@ -123,6 +129,8 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
         self.process_group, self.sharding_strategy = process_group, sharding_strategy
         self.mixed_precision = mixed_precision or MixedPrecision()
         self.forward_prefetch, self.backward_prefetch = forward_prefetch, backward_prefetch
+        self.use_orig_params = use_orig_params
+        self._exempt_output_dtype: torch.dtype | None = None  # set on a unit exempt from mixed precision
         self.add_module(WRAPPED, module)
         # original names in registration order (for state dicts ordered like the module's own)
         self._original_order = {clean_name(n): i for i, (n, _) in enumerate(module.named_parameters())}
@@ -131,15 +139,23 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
             with torch.no_grad():
                 for t in [*module.parameters(), *module.buffers()]:
                     dist.broadcast(t.data, src=src, group=process_group)
-        if auto_wrap_policy is not None:
+        exempt = tuple(self.mixed_precision._module_classes_to_ignore)
+        if auto_wrap_policy is not None or exempt:
             kwargs = dict(process_group=process_group, sharding_strategy=sharding_strategy,
                           mixed_precision=mixed_precision, sync_module_states=False,
                           forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch,
-                          device_id=device, param_init_fn=param_init_fn)
-            made = apply_auto_wrap(module, auto_wrap_policy,
-                                   lambda m: FullyShardedDataParallel(m, **kwargs),
+                          device_id=device, param_init_fn=param_init_fn, use_orig_params=use_orig_params)
+
+            def make_unit(m: nn.Module) -> FullyShardedDataParallel:
+                if not isinstance(m, exempt):
+                    return FullyShardedDataParallel(m, **kwargs)
+                unit = FullyShardedDataParallel(m, **{**kwargs, "mixed_precision": None})
+                unit._exempt_output_dtype = self.mixed_precision.param_dtype
+                return unit
+
+            made = apply_auto_wrap(module, exempting(auto_wrap_policy, exempt), make_unit,
                                    lambda m: isinstance(m, FullyShardedDataParallel))
-            if made == 0:
+            if made == 0 and auto_wrap_policy is not None:
                 kinds = sorted({type(m).__name__ for m in module.modules()})
                 raise ValueError(
                     f"auto_wrap_policy wrapped no submodule of {type(module).__name__} (its module "
@@ -152,10 +168,12 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
                                         shard=sharding_strategy != ShardingStrategy.NO_SHARD,
                                         param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
                                         on_event=self._on_event, init_device=device,
-                                        init_fn=None if param_init_fn is None else partial(param_init_fn, ""))
+                                        init_fn=None if param_init_fn is None else partial(param_init_fn, ""),
+                                        orig_params=use_orig_params)
                         if own else None)
         if self._handle is not None:
-            self._flat_param = self._handle.flat_param  # registered: what .parameters() yields
+            if not use_orig_params:
+                self._flat_param = self._handle.flat_param  # registered: what .parameters() yields
             if self._handle.full.requires_grad:
                 self._handle.full.register_post_accumulate_grad_hook(self._post_backward)
         self._adopt_units()
@@ -207,6 +225,12 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
                 owner[pid] = unit.unit_name
             unit._handle.on_event = unit._on_event
 
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """torch's FSDP names: the wrappers' `_fsdp_wrapped_module.` segments removed."""
+        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
+            yield clean_name(name), p
+
     def units(self) -> list[FullyShardedDataParallel]:
         """Every FSDP instance under this root (root first), with or without parameters."""
         return [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
@@ -241,6 +265,9 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
         mp = self.mixed_precision
         if self._is_root and mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = _cast_inputs(args, mp.param_dtype), _cast_inputs(kwargs, mp.param_dtype)
+        if self._exempt_output_dtype is not None and self._handle is not None:
+            dtype = self._handle.full.dtype
+            args, kwargs = _cast_inputs(args, dtype), _cast_inputs(kwargs, dtype)
         if self._handle is not None:
             if not state.order_frozen and self not in state.order:
                 state.order.append(self)
@@ -250,6 +277,10 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
             if self.forward_prefetch and state.order_frozen:
                 self._prefetch(self._neighbour(+1))
         output = self.module(*args, **kwargs)
+        if self._handle is not None:
+            self._handle.register_orig_params()
+        if self._exempt_output_dtype is not None:
+            output = _cast_inputs(output, self._exempt_output_dtype)
         if self._is_root:
             state.order_frozen = True
         needs_grad = [t for t in _tensors(output) if t.requires_grad]

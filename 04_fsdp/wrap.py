@@ -38,12 +38,15 @@ class ShardingStrategy(enum.Enum):
 class MixedPrecision:
     """`param_dtype`: the gathered (compute) copy; `reduce_dtype`: the gradient reduce-scatter;
     `buffer_dtype`: the module's floating buffers. The sharded master parameter keeps the
-    module's own dtype (fp32), and so do its gradient and the optimizer state. None = unchanged."""
+    module's own dtype (fp32), and so do its gradient and the optimizer state. None = unchanged.
+    `_module_classes_to_ignore` (torch's name): modules of these classes (e.g. RMSNorm) become
+    units of their own that gather, compute and reduce in the module's dtype."""
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True  # the root casts floating-point inputs to param_dtype
+    _module_classes_to_ignore: tuple[type[nn.Module], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
@@ -78,6 +81,18 @@ class ModuleWrapPolicy:
 
     def __call__(self, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
         return transformer_auto_wrap_policy(module, recurse, nonwrapped_numel, self.module_classes)
+
+
+def exempting(policy: AutoWrapPolicy | None, classes: tuple[type[nn.Module], ...]) -> AutoWrapPolicy:
+    """`policy`, except that every instance of `classes` becomes a unit (its children are not
+    visited); without a policy, descend everywhere and wrap only those."""
+    def wrap(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        if isinstance(module, classes):
+            return not recurse
+        if policy is None:
+            return recurse
+        return policy(module=module, recurse=recurse, nonwrapped_numel=nonwrapped_numel)
+    return wrap
 
 
 def _unwrapped_numel(module: nn.Module, is_unit: Callable[[nn.Module], bool]) -> int:

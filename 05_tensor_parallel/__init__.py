@@ -43,9 +43,8 @@ Sharding description (sharding.py), for gathering, checkpoints and clipping:
     tp_shard_specs(module, group, prefix="") -> {name: TPShard} for every parameter
     gather_tensor(local, spec) / gather_full({name: tensor}, specs) -> full tensors (collective)
     local_piece(full, spec) -> this rank's piece of a full tensor (no collective)
-    local_sq_norm({name: grad}, specs) -> Σ ‖g‖²/copies: all-reduce it over the TP group (and over
-        any other dim that shards the same tensors) for the global norm, replicas counted once
-    clip_grad_norm_({name: param}, specs, max_norm, group)   torch semantics over the full model
+    TPShard.counted_here: this rank's piece enters a global norm (one rank of each piece's
+        copies): pass those grads as common.clip.clip_grad_norm_'s `counted`, groups=(tp_group,)
 
 Formulas (formulas.py): activation bytes per layer (itemized, this LLaMA, t, SP) and
 communication per block.
@@ -75,11 +74,9 @@ from .parallelize import (
 )
 from .sharding import (
     TPShard,
-    clip_grad_norm_,
     gather_full,
     gather_tensor,
     local_piece,
-    local_sq_norm,
     tp_shard_specs,
 )
 
@@ -90,14 +87,12 @@ __all__ = [
     "TPShard",
     "VocabParallelEmbedding",
     "check_tp_sizes",
-    "clip_grad_norm_",
     "copy_to_tp_region",
     "gather_from_sequence_parallel_region",
     "gather_from_tp_region",
     "gather_full",
     "gather_tensor",
     "local_piece",
-    "local_sq_norm",
     "parallelize_attention",
     "parallelize_block",
     "parallelize_blocks",

@@ -7,26 +7,24 @@ dense (every rank trains the whole model alone), ours and torch's at TP = 2 (two
 ranks, side by side) and at TP = 4. torch's is `parallelize_module` with torchtitan's plan:
 ColwiseParallel for wq, wk, wv, w1, w3, RowwiseParallel for wo, w2, a vocab-parallel embedding
 (RowwiseParallel) and a column-parallel head whose logits are all-gathered for a plain
-cross-entropy (ours keeps them split: `vocab_parallel_cross_entropy`). Like chapter 01's bench
-the configurations are interleaved, one step of each per round in a rotated order, so all see the
-same background load; a step (forward, backward, AdamW) counts as its slowest rank's time; the
+cross-entropy (ours keeps them split: `vocab_parallel_cross_entropy`). The configurations are
+interleaved and timed by `common.bench`, one step of each per round in a rotated order, so all see
+the same background load; a step (forward, backward, AdamW) counts as its slowest rank's time; the
 table shows medians. Prints a table, writes bench.png, then one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import time
+from functools import partial
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from common.data import SyntheticTokens, split_inputs_targets
-from common.dist import LaunchError, env_world_size, init_distributed, print0, shutdown, synchronize
-from common.model import CONFIGS, build_model, get_config, loss_fn
+from common import bench as harness
+from common.data import split_inputs_targets
+from common.dist import print0
+from common.model import build_model, get_config, loss_fn
 from common.reference import make_optimizer
 from tensor_parallel import parallelize_llama, vocab_parallel_loss
 
@@ -35,20 +33,10 @@ HERE = Path(__file__).resolve().parent
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", choices=CONFIGS, default="small")
+    p = harness.bench_parser(__doc__, warmup=2, steps=6)
     p.add_argument("--batch", type=int, default=8, help="sequences per step (every TP group)")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--warmup", type=int, default=2, help="untimed rounds")
-    p.add_argument("--steps", type=int, default=6, help="timed rounds (one step of each config)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--png", default=str(HERE / "bench.png"), help="where to write the plot ('' to skip)")
-    args = p.parse_args(argv)
-    for flag in ("batch", "seq_len", "steps"):
-        if getattr(args, flag) <= 0:
-            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be positive")
-    return args
+    return harness.parse_checked(p, argv, positive=("batch",))
 
 
 def torch_tp(model: torch.nn.Module, mesh) -> torch.nn.Module:
@@ -83,13 +71,13 @@ def build(kind: str, tp: int, args, meshes, device: torch.device) -> tuple:
     return model, make_optimizer(model.parameters(), "adamw", 1e-3), loss
 
 
-def step(model, optimizer, loss, tokens) -> float:
+def step(model, optimizer, loss, tokens) -> torch.Tensor:
     inputs, targets = split_inputs_targets(tokens)
     value = loss(model(inputs), targets)
     value.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return value.item()
+    return value.detach()  # read after the timing: no host sync inside the timed step
 
 
 def plot(median: dict[str, float], path: str, title: str) -> None:
@@ -108,12 +96,9 @@ def plot(median: dict[str, float], path: str, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    try:
-        world = env_world_size()
-    except LaunchError as error:
-        raise SystemExit(f"error: {error}") from None
+    ctx = harness.launch()
+    world = ctx.world_size
     tps = [t for t in (2, 4) if world % t == 0]  # 4 ranks: both (CPU default, `make bench-5`)
-    ctx = init_distributed()
     from torch.distributed.device_mesh import init_device_mesh
     meshes = {t: init_device_mesh(ctx.device.type, (world // t, t), mesh_dim_names=("dp", "tp"))
               for t in tps}
@@ -122,26 +107,16 @@ def main(argv: list[str] | None = None) -> None:
         configs |= {f"ours tp={t}": ("ours", t), f"torch tp={t}": ("torch", t)}
     runs = {name: build(kind, tp, args, meshes, ctx.device) for name, (kind, tp) in configs.items()}
     names = list(configs)
-    data = SyntheticTokens(get_config(args.model).vocab_size, args.seq_len, args.seed)
-    times, first_loss = {n: [] for n in names}, {}
-    for r in range(args.warmup + args.steps):
-        tokens = data.global_batch(r, args.batch).to(ctx.device)
-        for k in range(len(names)):
-            name = names[(r + k) % len(names)]
-            synchronize(ctx.device)
-            dist.barrier()
-            start = time.perf_counter()
-            value = step(*runs[name], tokens)
-            synchronize(ctx.device)
-            if r == 0:
-                first_loss[name] = value
-            if r >= args.warmup:
-                times[name].append(time.perf_counter() - start)
+    loss_at_0: dict[str, torch.Tensor] = {}
 
-    slowest = torch.tensor([times[n] for n in names], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    del runs, meshes  # free the DTensor modules and meshes while the groups live
-    median = {n: statistics.median(slowest[i].tolist()) for i, n in enumerate(names)}
+    def timed_step(name: str, tokens: torch.Tensor) -> None:
+        loss_at_0.setdefault(name, step(*runs[name], tokens))
+
+    batches = harness.synthetic_batches(get_config(args.model).vocab_size, args.seq_len, args.seed,
+                                        args.batch, ctx.device)
+    median = harness.interleaved({n: partial(timed_step, n) for n in names}, args.steps, args.warmup,
+                                 ctx.device, batches).median
+    first_loss = {n: float(loss) for n, loss in loss_at_0.items()}
     tokens_per_step = args.batch * args.seq_len
     ratios = {tp: median[f"ours tp={tp}"] / median[f"torch tp={tp}"] for tp in tps}
     print0(f"chapter 5 bench · {args.model} · {world} ranks · {ctx.backend} on {ctx.device} · batch "
@@ -154,18 +129,17 @@ def main(argv: list[str] | None = None) -> None:
                f"{median[n] / median['dense']:>9.3f}{vs_torch:>9}{first_loss[n]:>9.4f}")
     met = all(v <= TARGET for v in ratios.values())
     print0(f"ours/torch: {' · '.join(f'tp={t} {r:.3f}' for t, r in ratios.items())} · target ≤ "
-           f"{TARGET}: {'met' if met else 'MISSED'}")
+           f"{TARGET}: {harness.verdict(met)}")
     if ctx.is_main and args.png:
         plot(median, args.png, f"{args.model}, {world} {ctx.device.type} ranks ({ctx.backend})")
-    print0(json.dumps({
+    harness.finish({
         "chapter": 5, "bench": "tensor_parallel", "model": args.model, "world_size": world,
         "backend": ctx.backend, "device": str(ctx.device), "batch": args.batch,
         "seq_len": args.seq_len, "warmup": args.warmup, "steps": args.steps,
         "step_s_median": median, "tokens_per_s": {n: tokens_per_step / median[n] for n in names},
         "first_loss": first_loss, "ours_over_torch": {str(k): v for k, v in ratios.items()},
         "target": TARGET, "target_met": met,
-    }))
-    shutdown()
+    }, runs, meshes)  # frees the DTensor modules and meshes while the groups live
 
 
 if __name__ == "__main__":

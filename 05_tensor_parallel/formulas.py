@@ -114,20 +114,30 @@ def local_parameter_count(x: Shape) -> tuple[int, int]:
     return 2 * rows * h + x.L * block + h, 3 + 9 * x.L
 
 
+def microbatch_comm_bytes(x: Shape, embedding: bool = True, head: bool = True) -> float:
+    """Wire bytes per rank of one micro-batch's forward + backward through x.L blocks (with the
+    replicated K/V heads' gradient sums), the embedding's boundary if held (g, or SP's
+    reduce-scatter + all-gather: the same bytes) and the head's (f, or SP's all-gather +
+    reduce-scatter + the final norm's weight gradient) with the vocab-parallel loss."""
+    t, bshe, ar = x.t, x.b * x.s * x.h * x.e, 2 * (x.t - 1) / x.t
+    total = x.L * sum(block_comm_bytes(x).values())
+    if x.kv < t:  # wk, wv gradients summed over the replicas of each K/V head
+        total += x.L * 2 * ar * x.kv * x.head_dim * x.h * x.e
+    if embedding:
+        total += ar * bshe
+    if head:  # + the loss: MAX of N, SUM of [sum-exp, target logit]
+        total += ar * bshe + (ar * x.h * x.e if x.sequence_parallel else 0) + ar * 3 * x.b * x.s * max(x.e, 4)
+    return total
+
+
 def step_comm_bytes(x: Shape, micro_batches: int, dp: int = 1, reduce_bytes: int | None = None,
                     clip: bool = False) -> float:
     """Wire bytes per rank per optimizer step: the blocks, the embedding and head boundaries,
     the replicated K/V heads' gradient sums, the vocab-parallel loss, then the data-parallel
     gradient all-reduce (reduce_bytes per element) and the clipping norm's all-reduce."""
-    t, bshe, ar = x.t, x.b * x.s * x.h * x.e, 2 * (x.t - 1) / x.t
-    per_micro = x.L * sum(block_comm_bytes(x).values())
-    if x.sequence_parallel:  # embedding RS + AG, head AG + RS, the final norm's weight gradient
-        per_micro += 4 * (t - 1) / t * bshe + ar * x.h * x.e
-    else:  # embedding g, head f
-        per_micro += 2 * ar * bshe
-    if x.kv < t:  # wk, wv gradients summed over the replicas of each K/V head
-        per_micro += x.L * 2 * ar * x.kv * x.head_dim * x.h * x.e
-    per_micro += ar * 3 * x.b * x.s * max(x.e, 4)  # loss: MAX of N, SUM of [sum-exp, target logit]
+    ar = 2 * (x.t - 1) / x.t
+    per_micro = microbatch_comm_bytes(x)
     elements, _ = local_parameter_count(x)
     data_parallel = 2 * (dp - 1) / dp * elements * (reduce_bytes or x.e)
-    return micro_batches * per_micro + data_parallel + (ar * 8 if clip else 0)
+    clip_bytes = 8 if (reduce_bytes or x.e) == 8 else 4  # common.clip: the norm in float64, else float32
+    return micro_batches * per_micro + data_parallel + (ar * clip_bytes if clip else 0)

@@ -1,14 +1,14 @@
 """How each parameter of a tensor-parallel module relates to the reference's full tensor, and the
 collectives that use it: cut this rank's piece from a full tensor (to materialize a model split on
-the meta device), gather the full tensor (for checks and checkpoints), and the true global
-gradient norm for clipping, with every replicated element counted once.
+the meta device), gather the full tensor (for checks and checkpoints), and which rank counts a
+piece in the true global gradient norm (common.clip), so that every element is counted once.
 
 A `TPShard` says: the full tensor is cut along `dim` into `num_shards` equal pieces (the last one
 zero-padded to `full_size` when the size does not divide), and rank r of the TP `group` holds piece
 r // (t / num_shards), i.e. each piece is held by t / num_shards consecutive ranks ("copies").
 dim=None means replicated: every rank holds the whole tensor (copies = t).
 
-    ‖g‖² = Σ_params Σ_ranks ‖g_local‖² / copies       (one all-reduce over the TP group)
+    ‖g‖² = Σ_params Σ_{ranks r with r % copies = 0} ‖g_local‖²     (one all-reduce over the TP group)
 """
 
 from __future__ import annotations
@@ -46,6 +46,11 @@ class TPShard:
     @property
     def replicated(self) -> bool:
         return self.dim is None
+
+    @property
+    def counted_here(self) -> bool:
+        """Whether this rank's piece enters a global norm: one rank of each piece's copies."""
+        return group_rank(self.group) % self.copies == 0
 
 
 def tp_shard_specs(module: nn.Module, group, prefix: str = "") -> dict[str, TPShard]:
@@ -92,27 +97,3 @@ def gather_tensor(local: torch.Tensor, spec: TPShard) -> torch.Tensor:
 def gather_full(tensors: dict[str, torch.Tensor], specs: dict[str, TPShard]) -> dict[str, torch.Tensor]:
     """Gather every named tensor (parameters or gradients) to the reference's full shape."""
     return {name: gather_tensor(t, specs[name]) for name, t in tensors.items()}
-
-
-def local_sq_norm(tensors: dict[str, torch.Tensor], specs: dict[str, TPShard]) -> torch.Tensor:
-    """This rank's share of the global ‖·‖²: Σ ‖t‖² / copies (float64). Summed over the TP group
-    (and over whatever other dimension shards the same tensors), it counts each element once."""
-    total = torch.zeros((), dtype=torch.float64, device=next(iter(tensors.values())).device)
-    for name, t in tensors.items():
-        total += t.detach().double().pow(2).sum() / specs[name].copies
-    return total
-
-
-def clip_grad_norm_(params: dict[str, nn.Parameter], specs: dict[str, TPShard], max_norm: float,
-                    group) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ over the full (unsharded) model: total = sqrt(Σ over the
-    TP group of local_sq_norm); grads *= min(1, max_norm / (total + 1e-6)). Returns total."""
-    grads = {n: p.grad for n, p in params.items() if p.grad is not None}
-    sq = local_sq_norm(grads, specs)
-    if group_size(group) > 1:
-        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
-    total = sq.sqrt()
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for g in grads.values():
-        g.mul_(coef.to(g.dtype))
-    return total

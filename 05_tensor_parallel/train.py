@@ -26,15 +26,16 @@ from common.cli import (
     require,
     validate_common,
 )
+from common.clip import clip_grad_norm_
 from common.data import split_inputs_targets
 from common.dist import DistContext
 from common.memory import optimizer_state_tensors, storage_bytes
+from common.mixed_precision import MasterWeights
 from common.model import build_model, initializer, materialize
 from common.reference import make_optimizer
 from common.training import Strategy, run_main
 from tensor_parallel import (
     check_tp_sizes,
-    clip_grad_norm_,
     gather_full,
     local_piece,
     parallelize_llama,
@@ -109,12 +110,10 @@ class TensorParallelStrategy(Strategy):
         materialize(self.model, initializer(cfg, args.seed), ctx.device,
                     lambda name, full: local_piece(full, self.specs[name]))
         self.names = [n for n, _ in self.model.named_parameters()]
+        self.weights = MasterWeights(self.model.parameters(), enabled=self.mixed)
         if self.mixed:
-            self.master = [p.detach().clone().requires_grad_() for p in self.model.parameters()]
-            self.model.to(torch.bfloat16)
-        else:
-            self.master = list(self.model.parameters())
-        self.optimizer = make_optimizer(self.master, args.optimizer, args.lr)
+            self.model.to(torch.bfloat16)  # in place: the masters keep the fp32 values
+        self.optimizer = make_optimizer(self.weights.master, args.optimizer, args.lr)
         self.optimizer_name, self.clip_grad = args.optimizer, args.clip_grad
         self.name = "tp+sp" if self.sequence_parallel else "tp"
         self.mesh = {"dp": self.dp_size, "tp": self.tp}
@@ -131,13 +130,9 @@ class TensorParallelStrategy(Strategy):
             loss = vocab_parallel_loss(self.model.output, self.model(inputs), targets) / len(micro_batches)
             loss.backward()
             losses.append(loss.detach())  # no .item(): a host sync per micro-batch
-            if self.mixed:  # accumulate in fp32, as the reference casts its bf16 gradients
-                for master, p in zip(self.master, self.model.parameters(), strict=True):
-                    g = p.grad.float()
-                    master.grad = g if master.grad is None else master.grad.add_(g)
-                    p.grad = None
+            self.weights.grads_to_master(accumulate=True)  # fp32 sum, as the reference casts
         if self.dp_size > 1:  # SUM over the replicas, then / dp (never ReduceOp.AVG)
-            grads = [m.grad for m in self.master]
+            grads = [m.grad for m in self.weights.master]
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group)
             flat.div_(self.dp_size)
@@ -146,16 +141,17 @@ class TensorParallelStrategy(Strategy):
         return torch.stack(losses).sum(dtype=torch.float64)
 
     def _named(self, grads: bool) -> dict[str, torch.Tensor]:
-        return {n: (m.grad if grads else m) for n, m in zip(self.names, self.master, strict=True)}
+        return {n: (m.grad if grads else m) for n, m in zip(self.names, self.weights.master, strict=True)}
 
     def step(self) -> None:
-        if self.clip_grad is not None:  # the DP replicas hold the same averaged gradients
-            clip_grad_norm_(self._named(False), self.specs, self.clip_grad, self.tp_group)
+        """Clip by the norm of the full model: summed over the TP group, each piece counted on one
+        of its copies; the DP replicas hold the same averaged gradients, so no sum over DP."""
+        if self.clip_grad is not None:
+            grads = self._named(True)
+            counted = [g for n, g in grads.items() if self.specs[n].counted_here]
+            clip_grad_norm_(grads.values(), self.clip_grad, counted, groups=(self.tp_group,))
         self.optimizer.step()
-        if self.mixed:
-            with torch.no_grad():
-                for master, p in zip(self.master, self.model.parameters(), strict=True):
-                    p.copy_(master)
+        self.weights.copy_to_model()
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -168,9 +164,9 @@ class TensorParallelStrategy(Strategy):
         return gather_full(self._named(False), self.specs)
 
     def memory(self) -> dict[str, int]:
-        extra = self.master if self.mixed else []
+        extra = self.weights.master if self.mixed else []
         return {"params": storage_bytes(self.model.parameters()),
-                "grads": storage_bytes(m.grad for m in self.master),
+                "grads": storage_bytes(m.grad for m in self.weights.master),
                 "optimizer": storage_bytes([*optimizer_state_tensors(self.optimizer), *extra])}
 
     def formulas(self, steps: int) -> tuple[float, dict[str, float]]:
@@ -178,7 +174,7 @@ class TensorParallelStrategy(Strategy):
         AdamW m, v (2·P_local·4 or ·e) + 4 B per tensor, + the fp32 master in mixed precision;
         activations: formulas.model_activation_bytes (one micro-batch: backward only frees)."""
         P, n_tensors = local_parameter_count(self.shape)
-        e, master = self.shape.e, self.master[0].itemsize
+        e, master = self.shape.e, self.weights.master[0].itemsize
         opt = 2 * P * master + 4 * n_tensors if self.optimizer_name == "adamw" else 0
         opt += P * master if self.mixed else 0
         comm = steps * step_comm_bytes(self.shape, self.grad_accum, self.dp_size, self.reduce_itemsize,

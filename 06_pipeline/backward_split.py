@@ -95,10 +95,12 @@ def backward_input(y: torch.Tensor, x: torch.Tensor, grad_y: torch.Tensor | None
 def backward_weight(state: WeightGradState) -> None:
     """W: dW at each parting node from the dY caught in B (only that node's backward, into its
     weight-side edges, so the engine never walks back into the input's side), then one backward
-    from all those edges into the leaves: each leaf's AccumulateGrad fires once."""
+    from all those edges into the leaves: each leaf's AccumulateGrad fires once. Each node runs
+    once, so none retains its saved tensors: the dW GEMMs' inputs go as W finishes, the rest of
+    the graph when the caller drops it."""
     edges, grads = [], []
     for out_edges, caught, weight_edges in state.groups:
         edges += weight_edges
-        grads += torch.autograd.grad(out_edges, weight_edges, caught, retain_graph=True)
+        grads += torch.autograd.grad(out_edges, weight_edges, caught)
     if edges:
-        torch.autograd.backward(edges, grads, inputs=state.leaves, retain_graph=True)
+        torch.autograd.backward(edges, grads, inputs=state.leaves)

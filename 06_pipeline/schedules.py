@@ -152,6 +152,11 @@ def zero_bubble_h1(p: int, m: int) -> Schedule:
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 
 
+def virtual_stages(name: str, v: int | None = None) -> int:
+    """Model chunks per rank: `v` if given, else 2 for interleaved (the fewest that interleave), else 1."""
+    return v if v is not None else (2 if name == "interleaved" else 1)
+
+
 def schedule_error(name: str, p: int, m: int, v: int = 1) -> str | None:
     """Why (name, p, m, v) has no schedule, as a message naming the flag and the fix (or None)."""
     if name not in SCHEDULES:

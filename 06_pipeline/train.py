@@ -20,14 +20,23 @@ import torch.distributed as dist
 from torch import nn
 
 from common.cli import DTYPES, BatchLayout, base_parser, model_config, require, validate_common
+from common.clip import clip_grad_norm_
 from common.data import split_inputs_targets
 from common.dist import DistContext
 from common.memory import optimizer_state_tensors, storage_bytes
+from common.mixed_precision import MasterWeights
 from common.model import LlamaConfig, build_model, initializer, loss_fn, materialize, rope_cos_sin
 from common.reference import make_optimizer
 from common.training import Strategy, run_main
 from pipeline.executor import LossFn, PipelineExecutor
-from pipeline.schedules import SCHEDULES, Schedule, make_schedule, peak_in_flight, schedule_error
+from pipeline.schedules import (
+    SCHEDULES,
+    Schedule,
+    make_schedule,
+    peak_in_flight,
+    schedule_error,
+    virtual_stages,
+)
 from pipeline.simulator import bubble_formula, closed_form_bubble, simulate
 from pipeline.simulator import bubble_fraction as simulated_bubble
 from pipeline.stage import PipelineStage, partition_error, split_model
@@ -48,11 +57,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def virtual_stages(args: argparse.Namespace) -> int:
-    v = getattr(args, "virtual_stages", None)
-    return v if v is not None else (2 if args.schedule == "interleaved" else 1)
-
-
 def parse_partition(text: str | None) -> list[int] | None:
     if text is None:
         return None
@@ -65,7 +69,7 @@ def parse_partition(text: str | None) -> list[int] | None:
 def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
     """Everything that can be wrong with the input, checked on every rank before any send."""
     validate_common(args)
-    p, m, v = world_size, args.microbatches, virtual_stages(args)
+    p, m, v = world_size, args.microbatches, virtual_stages(args.schedule, args.virtual_stages)
     require(m >= 1, f"--microbatches {m}: must be >= 1")
     require((error := schedule_error(args.schedule, p, m, v)) is None, str(error))
     require(args.global_batch % m == 0,
@@ -104,7 +108,7 @@ class PipelineStrategy(Strategy):
         cfg, self.mixed = model_config(args), args.mixed_precision == "bf16"
         self.group = pp_group
         p, self.rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
-        m, v = args.microbatches, virtual_stages(args)
+        m, v = args.microbatches, virtual_stages(args.schedule, args.virtual_stages)
         self.schedule: Schedule = make_schedule(args.schedule, p, m, v)
         # split the model on the meta device, then draw only this rank's layers onto its device
         meta = build_model(cfg, dtype=torch.float32 if self.mixed else DTYPES[args.dtype], device="meta")
@@ -114,17 +118,17 @@ class PipelineStrategy(Strategy):
             materialize(chunk, init, ctx.device)
         self.model = nn.ModuleList(self.chunks)
         self.names = [n for chunk in self.chunks for n, _ in chunk.named_parameters()]
-        params = list(self.model.parameters())
-        self.master = [q.detach().clone().requires_grad_() for q in params] if self.mixed else params
+        self.weights = MasterWeights(self.model.parameters(), enabled=self.mixed)
         if self.mixed:
-            self.model.to(torch.bfloat16)
-        self.optimizer = make_optimizer(self.master, args.optimizer, args.lr)
+            self.model.to(torch.bfloat16)  # in place: the masters keep the fp32 values
+        self.optimizer = make_optimizer(self.weights.master, args.optimizer, args.lr)
         self.dtype = torch.bfloat16 if self.mixed else DTYPES[args.dtype]
         micro = args.global_batch // m
         self.activation_shape = (micro, args.seq_len, cfg.dim)
         self.executor = self.executor_class(self.schedule, self.rank, self.chunks, loss,
                                             self.activation_shape, self.dtype, ctx.device, pp_group)
         self.name, self.clip_grad, self.optimizer_name = f"pp-{args.schedule}", args.clip_grad, args.optimizer
+        self.device = ctx.device
         self.mesh, self.dp_rank, self.dp_size = {"pp": p}, 0, 1
         self.timeline_png = getattr(args, "timeline_png", None)
         self.timelines: list = []
@@ -136,30 +140,22 @@ class PipelineStrategy(Strategy):
         dist.barrier(group=self.group)
         loss = self.executor.run(inputs, targets)
         self.timelines.append(self.executor.timeline)
-        if self.mixed:
-            for master, q in zip(self.master, self.model.parameters(), strict=True):
-                master.grad, q.grad = (q.grad.float() if q.grad is not None else None), None
+        self.weights.grads_to_master()
         return loss  # a 0-dim tensor on the last stage (the loop reads it once), else None
 
     def step(self) -> None:
-        """Clip by the norm over all stages (each parameter lives on one rank: sum the squares
-        once), then the optimizer; in mixed precision copy the masters back to the bf16 chunks."""
+        """Clip by the norm over all stages (each parameter lives on one rank: every rank counts
+        all it holds, summed over the pipeline group), then the optimizer; in mixed precision
+        copy the masters back to the bf16 chunks."""
         if self.clip_grad is not None:
-            grads = [q.grad for q in self.master if q.grad is not None]
-            sq = torch.stack([g.detach().double().norm() ** 2 for g in grads]).sum() if grads else (
-                torch.zeros((), dtype=torch.float64, device=self.master[0].device))
-            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=self.group)
-            coef = (self.clip_grad / (sq.sqrt() + 1e-6)).clamp(max=1.0)
-            for g in grads:
-                g.mul_(coef.to(g.dtype))
+            group = self.group if self.group is not None else dist.group.WORLD
+            clip_grad_norm_([q.grad for q in self.weights.master], self.clip_grad, groups=(group,),
+                            device=self.device)
         self.optimizer.step()
-        if self.mixed:
-            with torch.no_grad():
-                for master, q in zip(self.master, self.model.parameters(), strict=True):
-                    q.copy_(master)
+        self.weights.copy_to_model()
 
     def zero_grad(self) -> None:
-        for q in [*self.master, *self.model.parameters()]:
+        for q in [*self.weights.master, *self.model.parameters()]:
             q.grad = None
 
     def _gather(self, tensors: list[torch.Tensor | None]) -> dict[str, torch.Tensor] | None:
@@ -170,15 +166,15 @@ class PipelineStrategy(Strategy):
         return {k: t for part in gathered for k, t in part.items()} if self.rank == 0 else None
 
     def full_gradients(self) -> dict[str, torch.Tensor] | None:
-        return self._gather([q.grad for q in self.master])
+        return self._gather([q.grad for q in self.weights.master])
 
     def full_parameters(self) -> dict[str, torch.Tensor] | None:
-        return self._gather(list(self.master))
+        return self._gather(list(self.weights.master))
 
     def memory(self) -> dict[str, int]:
-        extra = self.master if self.mixed else []
+        extra = self.weights.master if self.mixed else []
         return {"params": storage_bytes(self.model.parameters()),
-                "grads": storage_bytes(q.grad for q in self.master if q.grad is not None),
+                "grads": storage_bytes(q.grad for q in self.weights.master if q.grad is not None),
                 "optimizer": storage_bytes([*optimizer_state_tensors(self.optimizer), *extra])}
 
     def message_bytes(self) -> int:
@@ -187,16 +183,16 @@ class PipelineStrategy(Strategy):
     def formulas(self, steps: int) -> tuple[float, dict[str, float]]:
         """Per rank per step: one activation [b, T, dim] per forward of a stage < S-1 and one
         gradient of that shape per backward of a stage > 0 (the schedule counts them), plus the
-        clipping norm's all-reduce (2(p-1)/p · 8 bytes). Memory: this rank's P_r parameters ·
-        b, grads P_r · b_grad, AdamW m and v (2 · P_r · b_master) and a step counter per tensor,
-        plus the fp32 masters (4 P_r) in mixed precision."""
+        clipping norm's all-reduce (2(p-1)/p · 8 bytes in float64, 4 else). Memory: this rank's
+        P_r parameters · b, grads P_r · b_grad, AdamW m and v (2 · P_r · b_master) and a step
+        counter per tensor, plus the fp32 masters (4 P_r) in mixed precision."""
         p = self.schedule.p
         sends = sum(self.schedule.send(self.rank, a) is not None for a in self.schedule.actions[self.rank])
-        clip = 2 * (p - 1) / p * 8 if self.clip_grad is not None and p > 1 else 0.0
+        b, b_master = self.dtype.itemsize, self.weights.master[0].itemsize
+        clip = 2 * (p - 1) / p * max(b_master, 4) if self.clip_grad is not None and p > 1 else 0.0
         comm = steps * (sends * self.message_bytes() + clip)
         P = sum(q.numel() for q in self.model.parameters())
-        b, b_master = self.dtype.itemsize, self.master[0].itemsize
-        opt = 2 * P * b_master + 4 * len(self.master) if self.optimizer_name == "adamw" else 0
+        opt = 2 * P * b_master + 4 * len(self.weights.master) if self.optimizer_name == "adamw" else 0
         opt += P * b_master if self.mixed else 0
         return comm, {"params": P * b, "grads": P * b_master, "optimizer": opt}
 

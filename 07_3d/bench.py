@@ -17,7 +17,6 @@ to the world size (8 ranks by default: `make bench-7`; e.g. `--mesh 1,1,2 --resh
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import tempfile
 import time
@@ -28,11 +27,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from common.dist import LaunchError, env_world_size, init_distributed, print0, shutdown
+from common import bench as harness
+from common.dist import print0
 from common.model import get_config
-from parallel3d.checkpoint import Shard, describe_shards, plan_writes, save_checkpoint
-from parallel3d.checkpoint_load import load_checkpoint
-from parallel3d.shard_layout import llama_3d_layout
+from parallel3d.checkpoint.load import load_checkpoint
+from parallel3d.checkpoint.save import Shard, describe_shards, plan_writes, save_checkpoint
+from parallel3d.checkpoint.shard_layout import llama_3d_layout
 
 CONFIGS = {"small": {}, "medium": {"dim": 512, "n_heads": 8, "n_kv_heads": 4, "multiple_of": 128}}
 
@@ -122,17 +122,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    try:
-        world = env_world_size()  # checked before the process group exists
-    except LaunchError as error:
-        raise SystemExit(f"error: {error}") from None
+def mesh_error(args: argparse.Namespace, world: int) -> str | None:
+    """Both meshes must multiply to the launched ranks."""
     for flag, (dp, pp, tp) in (("--mesh", args.mesh), ("--reshard-mesh", args.reshard_mesh)):
         if dp * pp * tp != world:
-            raise SystemExit(f"error: {flag} {dp},{pp},{tp} has {dp * pp * tp} ranks, the job "
-                             f"{world}: give a dp,pp,tp whose product is {world}")
-    ctx = init_distributed()
+            return (f"{flag} {dp},{pp},{tp} has {dp * pp * tp} ranks, the job {world}: give a dp,pp,tp "
+                    f"whose product is {world}")
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    ctx = harness.launch(check=lambda world: mesh_error(args, world))
     mesh, reshard_mesh = args.mesh, args.reshard_mesh
     base = Path(args.dir or tempfile.gettempdir()) / "pfs-bench-checkpoint"
     rows = []
@@ -149,10 +150,9 @@ def main(argv: list[str] | None = None) -> None:
                f"{r['dcp_save_s']:9.3f} {r['save_ratio']:6.2f} {r['load_s']:8.3f} {r['dcp_load_s']:9.3f} "
                f"{r['load_ratio']:6.2f} {r['reshard_load_s']:8.3f} {r['bytes_ours'] / 2**20:9.2f} "
                f"{r['bytes_dcp'] / 2**20:8.2f}")
-    print0(json.dumps(rows))
     if ctx.is_main:
         shutil.rmtree(base, ignore_errors=True)
-    shutdown()
+    harness.finish(rows)
 
 
 if __name__ == "__main__":

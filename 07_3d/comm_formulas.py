@@ -2,15 +2,10 @@
 position and its schedule's action list (nccl-tests conventions: all-reduce 2(n-1)/n·S,
 all-gather / reduce-scatter (n-1)/n·S, send S).
 
-TP (t ranks), per block and micro-batch, activations a = b·s·h·e (s = the whole sequence):
-    no SP   forward 2 all-reduces (after wo, w2), backward 2 (before wq|wk|wv, w1|w3)   4 · 2(t-1)/t · a
-    SP      forward 2 all-gathers + 2 reduce-scatters, backward the same                8 · (t-1)/t · a
-            + the two SP norms' weight gradients: 2 all-reduces of h·e (backward)
-    recomputation reruns the forward collectives up to the last saved tensor: full +1 all-reduce
-    (SP: +2 all-gathers +1 reduce-scatter), selective +0 (SP: +1 all-gather)
-    embedding (first stage) g forward (SP: reduce-scatter, all-gather backward), head (last
-    stage) f backward (SP: all-gather forward, reduce-scatter backward, + the final norm's
-    weight gradient); the vocab-parallel loss: MAX of N and SUM of 2N numbers, N = b·s
+TP (t ranks), per micro-batch: chapter 05's `microbatch_comm_bytes` for the chunk's blocks, its
+    embedding (first stage) and head + vocab-parallel loss (last stage), plus what recomputation
+    reruns: the forward collectives up to the last saved tensor, per block, a = b·s·h·e:
+    full +1 all-reduce (SP: +2 all-gathers +1 reduce-scatter), selective +0 (SP: +1 all-gather)
 PP: one message [b, s(/t under SP), h] per F of a stage < S-1 and per B of a stage > 0.
 DP (FSDP, d ranks), per unit with P_u TP-local parameters padded to d·⌈P_u/d⌉:
     all-gather (d-1)/d·P_u·b_param at each unshard: FULL_SHARD blocks twice per micro-batch
@@ -26,6 +21,8 @@ import math
 
 import torch
 
+from tensor_parallel.formulas import Shape, microbatch_comm_bytes
+
 # Forward collectives a recomputed block runs again, (all-gathers or f's, reduce-scatters or g's).
 # Non-reentrant torch.utils.checkpoint stops recomputing once every saved tensor is back, so the
 # region's last row-parallel reduction (its output is not saved) is not rerun.
@@ -37,26 +34,15 @@ def ring(n: int, factor: float = 1.0) -> float:
 
 
 def tp_bytes_per_microbatch(cfg, t: int, b: int, s: int, e: int, sp: bool, recompute: str,
-                            n_blocks: int, first: bool, last: bool, logit_bytes: int) -> float:
-    """Wire bytes of one micro-batch's forward + backward through a chunk's TP regions."""
-    if t == 1:
-        return 0.0
-    a, h = b * s * cfg.dim * e, cfg.dim
+                            n_blocks: int, first: bool, last: bool) -> float:
+    """Wire bytes of one micro-batch's forward + backward through a chunk's TP regions: chapter
+    05's count for its blocks, embedding (first stage) and head (last), + the recomputed ones."""
+    x = Shape(b=b, s=s, h=cfg.dim, a=cfg.n_heads, kv=cfg.n_kv_heads, F=cfg.hidden_dim, L=n_blocks,
+              V=cfg.vocab_size, head_dim=cfg.head_dim, t=t, sequence_parallel=sp, e=e)
     gathers, reductions = RECOMPUTED[recompute]
-    if sp:  # all-gathers and reduce-scatters: 4 each, plus the recomputed ones
-        block = ring(t, 4 + gathers) * a + ring(t, 4 + reductions) * a + 2 * ring(t, 2) * h * e
-    else:  # the g's all-reduce forward, the f's backward
-        block = (4 + reductions) * ring(t, 2) * a
-    if cfg.n_kv_heads < t:  # replicated K/V heads: wk, wv gradients summed over their copies in
-        # one all-reduce over the TP group of a buffer shaped like the full tensor
-        block += 2 * ring(t, 2) * cfg.n_kv_heads * cfg.head_dim * h * e
-    total = n_blocks * block
-    if first:  # g, or SP's reduce-scatter forward + all-gather backward: the same bytes
-        total += ring(t, 2) * a
-    if last:  # f, or SP's all-gather forward + reduce-scatter backward + the norm's weight grad
-        total += ring(t, 2) * a + (ring(t, 2) * h * e if sp else 0.0)
-        total += ring(t, 2) * 3 * b * s * logit_bytes  # loss: MAX of N, SUM of 2N
-    return total
+    a = b * s * cfg.dim * e
+    rerun = (ring(t, gathers) + ring(t, reductions)) * a if sp else reductions * ring(t, 2) * a
+    return microbatch_comm_bytes(x, embedding=first, head=last) + n_blocks * rerun
 
 
 def fsdp_gathers(actions, root: bool, full_shard: bool, backward: str = "B",
@@ -81,7 +67,6 @@ def comm_bytes_per_step(strategy, steps: int) -> float:
     args, cfg, sched, mesh = strategy.args, strategy.cfg, strategy.schedule, strategy.mesh3d
     t, d, rank = mesh.tp, mesh.dp, mesh.pp_rank
     b, e = strategy.layout.micro_batch, strategy.compute_dtype.itemsize
-    logit_bytes = max(e, 4)
     total = 0.0
     actions = sched.actions[rank]
     for c, chunk in enumerate(strategy.chunks):
@@ -90,26 +75,23 @@ def comm_bytes_per_step(strategy, steps: int) -> float:
         n_blocks = len(chunk.module.layers)
         per_mb = tp_bytes_per_microbatch(cfg, t, b, args.seq_len, e, strategy.sp,
                                          args.activation_checkpointing, n_blocks, stage == 0,
-                                         stage == sched.n_stages - 1, logit_bytes)
+                                         stage == sched.n_stages - 1)
         total += sched.m * per_mb
         backwards = sum(a.kind == "B" for a in mine)  # = W's under ZB: one reduction each
         backward = "W" if sched.split_backward and stage == 0 else "B"
         ends = (("W",) if stage == 0 else ("B", "W")) if sched.split_backward else ("B",)
-        for unit in chunk.units():
-            h = unit._handle
-            if h is None:
-                continue
-            full_shard = strategy.sharding.name == "FULL_SHARD"
-            if h.shard_world > 1:
-                gathers = fsdp_gathers(mine, unit is chunk, full_shard, backward, ends)
-                total += gathers * ring(d) * h.padded * h.param_dtype.itemsize
-                total += backwards * ring(d) * h.padded * h.reduce_dtype.itemsize
+        full_shard = strategy.sharding.name == "FULL_SHARD"
+        for unit in chunk.shard_layout():
+            if unit.shard_world > 1:
+                gathers = fsdp_gathers(mine, unit.name == "", full_shard, backward, ends)
+                total += gathers * ring(d) * unit.full_bytes
+                total += backwards * ring(d) * unit.padded_numel * unit.reduce_dtype.itemsize
             elif d > 1:
-                total += backwards * ring(d, 2) * h.padded * h.reduce_dtype.itemsize
+                total += backwards * ring(d, 2) * unit.padded_numel * unit.reduce_dtype.itemsize
     message = math.prod(strategy.activation_shape) * e
     total += message * sum(sched.send(rank, a) is not None for a in actions)
     if strategy.clip_grad is not None:
         world = mesh.dp * mesh.pp * mesh.tp
-        sq_bytes = 8 if strategy.handles()[0].flat_param.dtype == torch.float64 else 4
+        sq_bytes = 8 if strategy.unit_shards[0].flat_param.dtype == torch.float64 else 4
         total += ring(world, 2) * sq_bytes
     return steps * total

@@ -1,7 +1,7 @@
 """Per-GPU memory and communication of one 3D layout (tp, pp, dp, ZeRO level, micro-batch), in
 closed form: the planner's arithmetic, and the formulas the 3D trainer prints beside its ledger.
 
-Model states of the parameters ψ a GPU holds (its heaviest pipeline stage, TP-sharded):
+Model states of the parameters ψ a GPU holds (its pipeline stage, TP-sharded):
 
     weights ψ·w / (dp if ZeRO-3)    grads ψ·g / (dp if ZeRO ≥ 2)    optimizer ψ·o / (dp if ZeRO ≥ 1)
 
@@ -9,22 +9,22 @@ with bytes per parameter (w, g, o) = (2, 2, 4) in the source article's arithmeti
 gradients and Adam m, v: 7B → 14 + 14 + 28 GB), (2, 2, 12) in the mixed-precision recipe of the
 ZeRO paper (bf16 weights and grads, fp32 master + m + v), (4, 4, 8) in plain fp32.
 
-Activations saved for backward by common.model's LLaMA, per layer and token (measured on the
-ledger, `tests/test_3d_planner.py`): e·(10h + 4F) + 4·a bytes (e = bytes per element, h = dim,
-F = FFN width, a = heads: the fp32 log-sum-exp of SDPA); eager attention also keeps the scores and
-the softmax, 2·a·s·e. Under TP the 4h + 4F inside attention and MLP are split t ways while the 6h
-of the two RMSNorms stay whole; sequence parallelism splits their inputs and products (4h/t) but
-the column layers keep the all-gathered norm outputs (2h; Megatron re-gathers them in backward to
-reach 34/t in GPT). Full recomputation keeps only the block input h; selective (the attention
-sub-layer) drops its 4h.
+Activations saved for backward per block are chapter 05's itemized count (tensor_parallel.formulas:
+e·(10h + 4F) + 4·a bytes per token without TP; TP splits the attention and MLP tensors, SP also
+the norms' inputs and products); full recomputation keeps only the block input h, selective drops
+the attention sub-layer's q, k, v, output and log-sum-exp. A pipeline stage holds them for the
+micro-batches in flight (1F1B: p - i on stage i), the last stage the head's too. The 3D trainer's
+measured ledger checks these per rank (`tests/test_3d_planner.py`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cache
 
 from common.model import LlamaConfig
+from tensor_parallel.formulas import Shape, layer_activation_terms, model_activation_terms
 
 GB = 1e9  # the article's (and vendors') gigabyte
 PRECISIONS: dict[str, tuple[int, int, int]] = {  # bytes per parameter: weights, grads, optimizer
@@ -70,18 +70,23 @@ def stage_layers(n_layers: int, pp: int) -> list[int]:
     return [base + (i < extra) for i in range(pp)]
 
 
-def parameters_per_gpu(cfg: LlamaConfig, tp: int, pp: int) -> int:
-    """ψ: parameters on the GPU of the heaviest stage (embedding on the first, norm + output on
-    the last; the vocabulary is split t ways, RMSNorm weights are whole on every TP rank)."""
+@cache
+def stage_units(cfg: LlamaConfig, tp: int, pp: int) -> tuple[tuple[int, ...], ...]:
+    """Per stage, the parameters one TP rank holds in each FSDP unit: one per block, then the root
+    (the embedding on the first stage, the final norm + output on the last; the vocabulary padded
+    to a multiple of t, RMSNorm weights whole on every TP rank)."""
     split, replicated = layer_parameters(cfg)
     vocab = math.ceil(cfg.vocab_size / tp) * cfg.dim
-    per_stage = []
+    units = []
     for i, n in enumerate(stage_layers(cfg.n_layers, pp)):
-        p = n * (split // tp + replicated)
-        p += vocab if i == 0 else 0
-        p += vocab + cfg.dim if i == pp - 1 else 0
-        per_stage.append(p)
-    return max(per_stage)
+        root = (vocab if i == 0 else 0) + (vocab + cfg.dim if i == pp - 1 else 0)
+        units.append((split // tp + replicated,) * n + ((root,) if root else ()))
+    return tuple(units)
+
+
+def parameters_per_gpu(cfg: LlamaConfig, tp: int, pp: int) -> int:
+    """ψ: parameters on the GPU of the heaviest stage."""
+    return max(sum(u) for u in stage_units(cfg, tp, pp))
 
 
 def total_parameters(cfg: LlamaConfig) -> int:
@@ -89,76 +94,116 @@ def total_parameters(cfg: LlamaConfig) -> int:
     return cfg.n_layers * (split + replicated) + 2 * cfg.vocab_size * cfg.dim + cfg.dim
 
 
-def state_bytes(psi: int, dp: int, zero: int, precision: str) -> dict[str, float]:
-    """Weights, gradients and optimizer state for ψ parameters under ZeRO stage `zero` over dp."""
+def state_bytes(units: tuple[int, ...], dp: int, zero: int, precision: str) -> dict[str, float]:
+    """Weights, gradients and optimizer state of a GPU holding `units` (parameters per flat
+    tensor) under ZeRO stage `zero` over dp: a sharded unit keeps ⌈P_u/dp⌉ (the flat tensor
+    padded to a multiple of dp); plus Adam's step count, one float32 per flat tensor."""
     w, g, o = PRECISIONS[precision]
-    return {"weights": psi * w / (dp if zero >= 3 else 1),
-            "grads": psi * g / (dp if zero >= 2 else 1),
-            "optimizer": psi * o / (dp if zero >= 1 else 1)}
+    whole, sharded = sum(units), sum(-(-u // dp) for u in units)
+    return {"weights": w * (sharded if zero >= 3 else whole),
+            "grads": g * (sharded if zero >= 2 else whole),
+            "optimizer": o * (sharded if zero >= 1 else whole) + 4 * len(units)}
+
+
+# What selective recomputation reruns instead of saving: the attention sub-layer's own tensors
+# (chapter 05's names for them; its input, the norm output, stays saved for the MLP's reader).
+ATTENTION_TERMS = ("q, k, v after RoPE + GQA repeat", "attention output", "attention log-sum-exp")
+HEAD_TERMS = ("final norm x, x·r, r", "head input (norm output, whole sequence)",
+              "loss: softmax over the local vocab, target ids, in-range mask")
+
+
+def tp_shape(cfg: LlamaConfig, tokens: int, seq_len: int, tp: int, sequence_parallel: bool,
+             elem: int) -> Shape:
+    """Chapter 05's formula input for `tokens` = b·seq_len tokens on one TP rank."""
+    if tokens % seq_len:
+        raise ValueError(f"{tokens} tokens are not whole sequences of {seq_len}")
+    return Shape(b=tokens // seq_len, s=seq_len, h=cfg.dim, a=cfg.n_heads, kv=cfg.n_kv_heads,
+                 F=cfg.hidden_dim, L=cfg.n_layers, V=cfg.vocab_size, head_dim=cfg.head_dim, t=tp,
+                 sequence_parallel=sequence_parallel, e=elem)
 
 
 def layer_activation_bytes(cfg: LlamaConfig, tokens: int, seq_len: int, tp: int = 1,
                            sequence_parallel: bool = False, recompute: str = "none",
                            elem: int = 2, eager_attention: bool = False) -> float:
-    """Bytes one block saves for backward for `tokens` tokens on one TP rank (see module doc)."""
-    h, F, a = cfg.dim, cfg.hidden_dim, cfg.n_heads
-    # two RMSNorms: x, x·r, y each; under SP x and x·r are s/t tokens, the all-gathered y whole
-    whole = (4 * h / tp + 2 * h) if sequence_parallel else 6 * h
-    inner = (4 * h + 4 * F) / tp                              # q k v out | w1x w3x silu product
-    lse = 4 * a / tp / elem + 2 / (tp if sequence_parallel else 1)  # fp32 lse, the norms' r
-    scores = 2 * a * seq_len / tp if eager_attention else 0.0
+    """Bytes one block saves for backward for `tokens` tokens on one TP rank: chapter 05's
+    itemized count (`tensor_parallel.formulas`), less the attention sub-layer's terms under
+    selective recomputation (which under SP also keeps the sub-layer's input as the s/t slice it
+    gathers from), only the block input (h/t under SP) under full; eager attention adds the
+    scores and the softmax, 2·a·s·e/t per token."""
     if recompute == "full":
-        return tokens * elem * h / (tp if sequence_parallel else 1)
-    if recompute == "selective":
-        inner, scores, lse = 4 * F / tp, 0.0, 2 / (tp if sequence_parallel else 1)
-    return tokens * elem * (whole + inner + lse + scores)
+        return tokens * elem * cfg.dim / (tp if sequence_parallel else 1)
+    terms = layer_activation_terms(tp_shape(cfg, tokens, seq_len, tp, sequence_parallel, elem))
+    if recompute == "selective":  # under SP its input is kept as this rank's s/t slice
+        gathered_input = tokens * elem * cfg.dim * (1 - 1 / tp) if sequence_parallel else 0.0
+        return sum(v for k, v in terms.items() if k not in ATTENTION_TERMS) - gathered_input
+    scores = tokens * 2 * cfg.n_heads * seq_len / tp * elem if eager_attention else 0.0
+    return sum(terms.values()) + scores
 
 
-def head_activation_bytes(cfg: LlamaConfig, tokens: int, tp: int = 1, elem: int = 2) -> float:
-    """The last stage's norm (3h·e) and the log-softmax of the logits (V/t, float32 or wider),
-    per token."""
-    return tokens * (3 * cfg.dim * elem + max(4, elem) * cfg.vocab_size / tp)
+def head_activation_bytes(cfg: LlamaConfig, tokens: int, seq_len: int, tp: int = 1,
+                          sequence_parallel: bool = False, elem: int = 2) -> float:
+    """The last stage's final norm, head input and log-softmax over the local vocabulary
+    (float32 or wider), chapter 05's terms: ≈ tokens·(3h·e + 4·V/t)."""
+    terms = model_activation_terms(tp_shape(cfg, tokens, seq_len, tp, sequence_parallel, elem))
+    return sum(terms[k] for k in HEAD_TERMS)
 
 
 def in_flight_microbatches(pp: int, microbatches: int, virtual_stages: int = 1,
-                           schedule: str = "1f1b") -> float:
-    """Micro-batches whose activations the first stage holds at once: m (GPipe), min(m, p)
-    (1F1B), p·(1 + (p-1)/(p·v)) (interleaved, Megatron's count)."""
+                           schedule: str = "1f1b", stage: int = 0) -> float:
+    """Micro-batches whose activations stage `stage` holds at once: m (GPipe), min(m, p - i)
+    (1F1B), min(m·v, 2(p-i-1) + (v-1)·p + 1) chunks of 1/v of the stage (interleaved,
+    Megatron's warm-up count)."""
     if schedule == "gpipe" or pp == 1:
         return microbatches if pp > 1 else 1
     if virtual_stages > 1:
-        return min(microbatches * virtual_stages, pp * virtual_stages + pp - 1) / virtual_stages
-    return min(microbatches, pp)
+        chunks = 2 * (pp - stage - 1) + (virtual_stages - 1) * pp + 1
+        return min(microbatches * virtual_stages, chunks) / virtual_stages
+    return min(microbatches, pp - stage)
 
 
 def activation_bytes(cfg: LlamaConfig, layout: Layout, seq_len: int, microbatches: int,
-                     elem: int = 2, eager_attention: bool = False) -> float:
-    """Peak saved activations on the first stage's GPU (it holds the most micro-batches)."""
+                     elem: int = 2, eager_attention: bool = False, stage: int = 0) -> float:
+    """Peak saved activations (what a saved-tensor ledger sees) on the GPU of pipeline stage
+    `stage`: its blocks × the micro-batches it holds, the last stage's head for each of those."""
     tokens = layout.micro_batch * seq_len
-    layers = math.ceil(cfg.n_layers / layout.pp)
     per_layer = layer_activation_bytes(cfg, tokens, seq_len, layout.tp, layout.sequence_parallel,
                                        layout.recompute, elem, eager_attention)
-    held = layers * per_layer * in_flight_microbatches(layout.pp, microbatches, layout.virtual_stages)
-    if layout.recompute != "none":  # one block's activations while it is recomputed (the
-        # ledger's saved-tensor hooks do not see these: checkpoint keeps them in its own frame)
-        held += layer_activation_bytes(cfg, tokens, seq_len, layout.tp, layout.sequence_parallel,
-                                       "none", elem, eager_attention)
-    if layout.pp == 1:
-        held += head_activation_bytes(cfg, tokens, layout.tp, elem)
-    return held
+    one = stage_layers(cfg.n_layers, layout.pp)[stage] * per_layer
+    if stage == layout.pp - 1:
+        one += head_activation_bytes(cfg, tokens, seq_len, layout.tp, layout.sequence_parallel, elem)
+    return one * in_flight_microbatches(layout.pp, microbatches, layout.virtual_stages, stage=stage)
+
+
+def recompute_transient_bytes(cfg: LlamaConfig, layout: Layout, seq_len: int, elem: int = 2,
+                              eager_attention: bool = False) -> float:
+    """One block's full activations while backward recomputes it (checkpoint keeps them in its
+    own frame: a saved-tensor ledger does not see them), zero without recomputation."""
+    if layout.recompute == "none":
+        return 0.0
+    return layer_activation_bytes(cfg, layout.micro_batch * seq_len, seq_len, layout.tp,
+                                  layout.sequence_parallel, "none", elem, eager_attention)
 
 
 def memory_per_gpu(cfg: LlamaConfig, layout: Layout, seq_len: int, microbatches: int,
-                   precision: str = "mixed", eager_attention: bool = False) -> dict[str, float]:
-    """{weights, grads, optimizer, activations, total} bytes on the busiest GPU. Under ZeRO-3 the
-    weights include two gathered blocks (the one computing and the one prefetched)."""
-    psi = parameters_per_gpu(cfg, layout.tp, layout.pp)
-    out = state_bytes(psi, layout.dp, layout.zero, precision)
+                   precision: str = "mixed", eager_attention: bool = False,
+                   stage: int | None = None) -> dict[str, float]:
+    """{weights, grads, optimizer, activations, total} bytes on the GPU of pipeline stage `stage`
+    (None: the busiest one, the first or the last; a middle stage holds no more than the first).
+    Under ZeRO-3 the weights include two gathered blocks (the one computing and the one
+    prefetched); activations include a recomputed block's transient."""
+    if stage is None:
+        stages = {0, layout.pp - 1}
+        return max((memory_per_gpu(cfg, layout, seq_len, microbatches, precision, eager_attention, i)
+                    for i in stages), key=lambda mem: mem["total"])
+    units = stage_units(cfg, layout.tp, layout.pp)[stage]
+    out = state_bytes(units, layout.dp, layout.zero, precision)
     if layout.zero >= 3 and layout.dp > 1:
         split, replicated = layer_parameters(cfg)
         out["weights"] += 2 * (split / layout.tp + replicated) * PRECISIONS[precision][0]
-    out["activations"] = activation_bytes(cfg, layout, seq_len, microbatches, ACT_BYTES[precision],
-                                          eager_attention)
+    elem = ACT_BYTES[precision]
+    out["activations"] = (activation_bytes(cfg, layout, seq_len, microbatches, elem,
+                                           eager_attention, stage)
+                          + recompute_transient_bytes(cfg, layout, seq_len, elem, eager_attention))
     out["total"] = sum(out.values())
     return out
 
@@ -170,10 +215,12 @@ def comm_bytes_per_gpu(cfg: LlamaConfig, layout: Layout, seq_len: int,
     TP: 4 all-reduces (or all-gather + reduce-scatter pairs under SP: the same bytes) of the
         [b, s, h] activations per block per micro-batch, 2(t-1)/t each; full recompute adds 2.
     PP: one activation forward and one gradient backward per micro-batch (interior stages).
-    DP: all-reduce of the gradients 2(d-1)/d·ψ·g (ZeRO-1/2: reduce-scatter of the gradients and
-        all-gather of the updated weights, (d-1)/d·ψ·(g + w));
-        ZeRO-3 gathers the weights in forward and in backward of every micro-batch and
-        reduce-scatters the gradients once: (2m + 1)·(d-1)/d·ψ·w."""
+    DP: all-reduce of the gradients 2(d-1)/d·ψ·g (DDP), or reduce-scatter of the gradients and
+        all-gather of the updated weights. Sharded gradients (ZeRO-2, ZeRO-3) cannot accumulate
+        over the m micro-batches of a step, so each micro-batch reduce-scatters its own (DeepSpeed
+        refuses ZeRO-2 under a pipeline for this; Megatron's distributed optimizer is ZeRO-1):
+        ZeRO-1 (g + w), ZeRO-2 (m·g + w), ZeRO-3 m·(2w + g) (a gather in forward and in backward
+        of every micro-batch), each × (d-1)/d·ψ."""
     w, g, _ = PRECISIONS[precision]
     elem = ACT_BYTES[precision]
     t, p, d, m = layout.tp, layout.pp, layout.dp, microbatches
@@ -184,10 +231,6 @@ def comm_bytes_per_gpu(cfg: LlamaConfig, layout: Layout, seq_len: int,
     pp_bytes = 2 * m * act if p > 1 else 0.0
     psi = parameters_per_gpu(cfg, t, p)
     ring = (d - 1) / d if d > 1 else 0.0
-    if layout.zero >= 3:
-        dp_bytes = (2 * m * w + g) * ring * psi
-    elif layout.zero:
-        dp_bytes = (g + w) * ring * psi
-    else:
-        dp_bytes = 2 * ring * psi * g
+    per_element = {0: 2 * g, 1: g + w, 2: m * g + w, 3: m * (2 * w + g)}[layout.zero]
+    dp_bytes = per_element * ring * psi
     return {"tp": tp_bytes, "pp": pp_bytes, "dp": dp_bytes}

@@ -15,8 +15,9 @@ traffic beyond what hides behind compute (α·2(d-1) latency per ring collective
 the mesh order TP, DP, PP a DP group spans t·d consecutive GPUs: inside a node it runs on NVLink,
 inside a pod on the full network, beyond it at 1/7 of that (the oversubscribed aggregation layer
 of Llama 3's cluster, the reason its DP groups are kept small). TP stays inside a node (the
-article's rule: TP needs NVLink). The recommendation is the
-fastest candidate that fits in `headroom`·M; ties go to the one with the smaller footprint.
+article's rule: TP needs NVLink). The recommendation is the simplest candidate within 5% of the
+fastest that fits in `headroom`·M (`recommend`); where its pipeline depth is not one the
+article's table names, `why_not` prices the article's depth beside it, term by term.
 """
 
 from __future__ import annotations
@@ -45,13 +46,14 @@ PLANNING_SHAPES: dict[str, LlamaConfig] = {
 }
 MODELS = {**CONFIGS, **PLANNING_SHAPES}
 
-# The source article's strategy-by-size table: (max params in B, GPUs, its advice).
+# The source article's strategy-by-size table: (max params in B, GPUs, its advice, the pipeline
+# depths it names).
 ARTICLE_TABLE = [
-    (7.5, "1-8", "FSDP or ZeRO-2; no TP, no PP"),
-    (13.5, "4-16", "ZeRO-2/3 or FSDP; TP 2-4 optional"),
-    (70.5, "16-64", "TP 4-8 inside the node + FSDP; PP if several nodes"),
-    (200.0, "64-256", "TP 8 + PP 4-8 + FSDP; multi-node"),
-    (math.inf, "1000+", "TP 8 + PP 16+ + FSDP"),
+    (7.5, "1-8", "FSDP or ZeRO-2; no TP, no PP", (1, 1)),
+    (13.5, "4-16", "ZeRO-2/3 or FSDP; TP 2-4 optional", (1, 1)),
+    (70.5, "16-64", "TP 4-8 inside the node + FSDP; PP if several nodes", (1, 64)),
+    (200.0, "64-256", "TP 8 + PP 4-8 + FSDP; multi-node", (4, 8)),
+    (math.inf, "1000+", "TP 8 + PP 16+ + FSDP", (16, 1 << 30)),
 ]
 
 
@@ -122,15 +124,21 @@ def price(cfg: LlamaConfig, layout: Layout, seq_len: int, global_batch: int, gpu
     psi = comm["dp"] and parameters_per_gpu(cfg, t, p_)
     w, g, _ = PRECISIONS[precision]
     per_mb = compute / m
-    # Gradients are final after the last micro-batch's backward: only that backward (2/3 of its
-    # compute) hides their reduction; ZeRO-1/2's parameter all-gather hides behind the next
-    # step's first forward (1/3); ZeRO-3 gathers every micro-batch, behind that micro-batch.
-    grad_s = (ring * psi * g * (1 if layout.zero else 2)) / dp_bw + units * alpha
-    exposed = max(0.0, grad_s - 2 / 3 * per_mb)
+    # Accumulated gradients (DDP, ZeRO-1) are final after the last micro-batch's backward: only
+    # that backward (2/3 of its compute) hides their reduction; sharded ones (ZeRO-2/3) are
+    # reduce-scattered by every micro-batch, behind its own backward. ZeRO-1/2's parameter
+    # all-gather hides behind the next step's first forward (1/3); ZeRO-3 gathers twice in
+    # every micro-batch, behind that micro-batch.
+    grad_s = (ring * psi * g * (2 if layout.zero == 0 else 1)) / dp_bw + units * alpha
+    gather_s = ring * psi * w / dp_bw + units * alpha
+    if layout.zero <= 1:
+        exposed = max(0.0, grad_s - 2 / 3 * per_mb)
+    elif layout.zero == 2:
+        exposed = m * max(0.0, grad_s - 2 / 3 * per_mb)
+    else:
+        exposed = m * max(0.0, grad_s + 2 * gather_s - per_mb)
     if layout.zero in (1, 2):
-        exposed += max(0.0, ring * psi * w / dp_bw + units * alpha - per_mb / 3)
-    elif layout.zero >= 3:
-        exposed += m * max(0.0, 2 * ring * psi * w / dp_bw + 2 * units * alpha - per_mb)
+        exposed += max(0.0, gather_s - per_mb / 3)
     times = {
         "compute": compute * (1 + bubble),
         "bubble": compute * bubble,
@@ -187,10 +195,11 @@ def plan(cfg: LlamaConfig, gpus: int, gpu_mem_gb: float, seq_len: int, global_ba
 
 
 def complexity(layout: Layout) -> tuple:
-    """What a layout costs in engineering, least first: no pipeline, no interleaving, less TP,
-    no recomputation."""
+    """What a layout costs in engineering, least first: no pipeline, no interleaving, no
+    recomputation (it spends compute on memory: worth it only when nothing lighter fits), less
+    TP, fewer stages."""
     ac = ("none", "selective", "full").index(layout.recompute)
-    return (layout.pp > 1, layout.virtual_stages > 1, layout.tp, ac, layout.pp)
+    return (layout.pp > 1, layout.virtual_stages > 1, ac, layout.tp, layout.pp)
 
 
 def recommend(plans: list[Plan], tolerance: float = 0.05) -> Plan | None:
@@ -205,12 +214,40 @@ def recommend(plans: list[Plan], tolerance: float = 0.05) -> Plan | None:
     return min(near, key=lambda p: (complexity(p.layout), round(p.step_s, 2), p.memory["total"]))
 
 
-def article_row(n_params: float) -> tuple[str, str]:
-    """The article's (GPUs, advice) for a model of `n_params` parameters."""
-    for max_b, gpus, advice in ARTICLE_TABLE:
+def article_row(n_params: float) -> tuple[str, str, tuple[int, int]]:
+    """The article's (GPUs, advice, pipeline depths) for a model of `n_params` parameters."""
+    for max_b, gpus, advice, pp_range in ARTICLE_TABLE:
         if n_params / 1e9 <= max_b:
-            return gpus, advice
+            return gpus, advice, pp_range
     raise AssertionError
+
+
+def article_alternative(plans: list[Plan], pp_range: tuple[int, int]) -> Plan | None:
+    """The fastest fitting layout with a pipeline depth the article names."""
+    lo, hi = pp_range
+    return min((p for p in plans if p.fits and lo <= p.layout.pp <= hi), key=lambda p: p.step_s,
+               default=None)
+
+
+def step_terms(p: Plan) -> dict[str, float]:
+    """A plan's step time by term: work (compute and recomputation), bubble, TP, PP, exposed DP."""
+    t = p.times
+    return {"work": t["compute"] - t["bubble"], "bubble": t["bubble"], "TP": t["tp"],
+            "PP": t["pp"], "DP": t["dp_exposed"]}
+
+
+def why_not(pick: Plan, other: Plan) -> str:
+    """Why the planner prefers `pick` to `other`: their step times term by term (what differs by
+    more than 0.05 s), the bubbles (p-1)/(v·m), the memory per GPU."""
+    a, b = step_terms(pick), step_terms(other)
+    diff = ", ".join(f"{k} {b[k] - a[k]:+.2f} s" for k in a if abs(b[k] - a[k]) > 0.05)
+    bubble = ", ".join(f"{(p.layout.pp - 1)}/({p.layout.virtual_stages}·{p.microbatches}) = "
+                       f"{(p.layout.pp - 1) / (p.layout.virtual_stages * p.microbatches):.1%}"
+                       for p in (other, pick))
+    return (f"{other.layout.describe()}: {other.step_s:.2f} s, "
+            f"{other.step_s / pick.step_s - 1:+.0%} against the pick ({diff or 'no term differs'}); "
+            f"bubble {bubble}; {other.memory['total'] / GB:.1f} GB vs "
+            f"{pick.memory['total'] / GB:.1f} GB per GPU")
 
 
 def article_scenario(cfg: LlamaConfig, gpus: int, zero: int) -> dict[str, float]:
@@ -251,10 +288,14 @@ def article_report() -> str:
              "", "strategy by size (planner's pick, mixed precision, 4M tokens per step):"]
     for name, gpus, seq, batch in TABLE_SCENARIOS:
         cfg = MODELS[name]
-        best = recommend(plan(cfg, gpus, 80, seq, batch))
-        rows, advice = article_row(total_parameters(cfg))
+        plans = plan(cfg, gpus, 80, seq, batch)
+        best = recommend(plans)
+        rows, advice, pp_range = article_row(total_parameters(cfg))
         pick = best.layout.describe() if best else "nothing fits"
         lines.append(f"  {name:<17} {gpus:>6} GPUs: {pick:<52} | article ({rows} GPUs): {advice}")
+        other = article_alternative(plans, pp_range)
+        if best and other and not pp_range[0] <= best.layout.pp <= pp_range[1]:
+            lines.append(f"    the article's depth, priced: {why_not(best, other)}")
     return "\n".join(lines)
 
 
@@ -315,12 +356,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.headroom:.0%} of {args.gpu_mem_gb:g} GB\n")
     print(format_plans(plans, args.top))
     best = recommend(plans)
-    rows, advice = article_row(n)
+    rows, advice, pp_range = article_row(n)
     print(f"\nrecommended: {best.layout.describe() if best else 'nothing fits: add GPUs'}")
     if best:
         print(f"  {best.memory['total'] / GB:.1f} GB per GPU, step ≈ {best.step_s:.2f} s, "
               f"MFU ≈ {best.mfu:.0%}")
     print(f"the article's table for this size ({rows} GPUs): {advice}")
+    other = article_alternative(plans, pp_range)
+    if best and other and not pp_range[0] <= best.layout.pp <= pp_range[1]:
+        print(f"  its pipeline depth, priced: {why_not(best, other)}")
     return 0
 
 

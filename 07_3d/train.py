@@ -2,14 +2,11 @@
 
     torchrun --standalone --nproc-per-node 8 07_3d/train.py --dp 2 --pp 2 --tp 2 --schedule 1f1b
 
-Every rank builds the full model on the meta device (no memory), keeps its pipeline stage (06),
-cuts that stage's blocks, embedding and head into tensor-parallel pieces over its TP group (05),
-optionally wraps blocks for activation recomputation, and shards what is left over its DP group
-with FSDP (04): one unit per block, the stage's embedding/head as the root unit. Only then are
-values drawn: each parameter overlapping this rank's FSDP shard is generated in full on CPU from
-the seed (common.model.initializer), cut to its TP piece, and its shard's slice copied to the
-device. A schedule of 06 runs the stages; gradients are clipped by the global norm over all
-three dimensions (clip.py), AdamW steps on the FSDP shards, the LR follows warm-up + cosine.
+Every rank builds the full model on the meta device (no memory) and applies the recipe of
+parallelize.py: its pipeline stages (06), cut into tensor-parallel pieces (05), blocks wrapped for
+recomputation, sharded over its DP group by FSDP (04), the only values ever drawn. A schedule of
+06 runs the stages; gradients are clipped by the global norm over all three dimensions
+(common/clip.py), AdamW steps on the FSDP shards, the LR follows warm-up + cosine.
 `--check` gathers full gradients and parameters from all three dimensions against the
 single-device reference.
 """
@@ -18,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -34,39 +30,25 @@ from common.cli import (
     require,
     validate_common,
 )
+from common.clip import clip_grad_norm_
 from common.data import split_inputs_targets
 from common.dist import DistContext
 from common.memory import ActivationMeter, optimizer_state_tensors, storage_bytes
-from common.model import TransformerBlock, build_model, initializer, rope_cos_sin
+from common.model import build_model
 from common.reference import make_optimizer
 from common.training import Strategy, run_main
-from fsdp import FSDP, MixedPrecision, ModuleWrapPolicy, ShardingStrategy, clean_name
-from parallel3d.checkpointing import MODES, CheckpointWrapper, apply_activation_checkpointing, unwrapped_name
-from parallel3d.clip import clip_grad_norm_
+from fsdp import ShardingStrategy
+from parallel3d.checkpoint.trainer import ResumableStrategy, add_checkpoint_flags, validate_checkpoint_flags
 from parallel3d.comm_formulas import comm_bytes_per_step
 from parallel3d.lr_schedule import warmup_cosine_scheduler
-from parallel3d.memory_model import layer_activation_bytes
+from parallel3d.memory_model import head_activation_bytes, layer_activation_bytes
 from parallel3d.mesh import MeshError, init_device_mesh, mesh_shape
-from parallel3d.trainer_checkpoint import ResumableStrategy, add_checkpoint_flags, validate_checkpoint_flags
-from pipeline import PipelineExecutor, make_schedule, partition_error, schedule_error, split_model
+from parallel3d.parallelize import parallelize_3d
+from parallel3d.recompute import MODES, unwrapped_name
+from pipeline import PipelineExecutor, make_schedule, partition_error, schedule_error
+from pipeline.schedules import SCHEDULES, virtual_stages
 from pipeline.simulator import closed_form_bubble
-from tensor_parallel import (
-    check_tp_sizes,
-    gather_full,
-    local_piece,
-    parallelize_blocks,
-    parallelize_embedding,
-    parallelize_head,
-    tp_shard_specs,
-    vocab_parallel_loss,
-)
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
-ZB_REFUSED: str | None = (  # the tests lift it to check ZB's gradients (exact) and comm (exact)
-    "--schedule zb: ZB-H1's gradients under FSDP are exact (W differentiates the gathered flat "
-    "tensors autograd saw), but on stages > 0 the split backward keeps every micro-batch's autograd "
-    "graph alive after its W, so saved activations grow step after step (see the README's Limits). "
-    "Use --schedule 1f1b or interleaved")
+from tensor_parallel import check_tp_sizes, gather_full, vocab_parallel_loss
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -96,11 +78,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def virtual_stages(args: argparse.Namespace) -> int:
-    v = getattr(args, "virtual_stages", None)
-    return v if v is not None else (2 if args.schedule == "interleaved" else 1)
-
-
 def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
     """Everything that can be wrong with the input, checked on every rank before any collective."""
     validate_common(args)
@@ -112,8 +89,6 @@ def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
     except MeshError as error:
         raise ConfigError(str(error)) from None
     cfg = model_config(args)
-    require(args.schedule in SCHEDULES, f"--schedule {args.schedule!r} is unknown: use one of "
-            f"{', '.join(SCHEDULES)}")
     require(args.activation_checkpointing in MODES, f"--activation-checkpointing "
             f"{args.activation_checkpointing!r}: use one of {', '.join(MODES)}")
     require(args.sharding_strategy in ShardingStrategy.__members__, f"--sharding-strategy "
@@ -142,78 +117,35 @@ def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
     require(args.microbatches in (None, layout.grad_accum),
             f"--microbatches {args.microbatches} != {layout.grad_accum} micro-batches of "
             f"--micro-batch {args.micro_batch} per data-parallel rank: drop one of the flags")
-    v = virtual_stages(args)
+    v = virtual_stages(args.schedule, args.virtual_stages)
     require((error := schedule_error(args.schedule, pp, layout.grad_accum, v)) is None,
             f"{error} (on a mesh dp {dp} × pp {pp} × tp {tp})")
     require((error := partition_error(cfg.n_layers, pp, v)) is None, str(error))
-    require(args.schedule != "zb" or ZB_REFUSED is None, str(ZB_REFUSED))
     require(args.schedule != "zb" or args.activation_checkpointing == "none",
             f"--schedule zb with --activation-checkpointing {args.activation_checkpointing}: not "
-            "supported (the tensors recomputed in B would have to outlive B until W; untested); use "
+            "supported (W runs one autograd pass per weight GEMM, and each reruns the recomputed "
+            "block's forward: exact gradients for one more forward per weight); use "
             "--activation-checkpointing none, or --schedule 1f1b")
     args.resume_from = validate_checkpoint_flags(args, cfg)  # reads metadata only: no collective
     return layout
-
-
-def sequence_rope(cfg, tp: int, positions: torch.Tensor, dtype: torch.dtype):
-    """RoPE's cos/sin for a stage whose activations carry s/tp tokens under sequence parallelism:
-    the attention sees the all-gathered sequence, so the tables cover all s positions."""
-    return rope_cos_sin(cfg, torch.arange(positions.numel() * tp, device=positions.device), dtype)
-
-
-class StageActivationMeter(ActivationMeter):
-    """Saved activations, not counting the gathered weights autograd saves (the FSDP units'
-    flat `full` tensors are parameters, counted by the ledger as such)."""
-
-    def __init__(self, handles):
-        super().__init__([h.flat_param for h in handles])
-        self.handles = handles
-
-    def _add(self, t: torch.Tensor):
-        ptr = t.untyped_storage().data_ptr()
-        if any(h.full.untyped_storage().data_ptr() == ptr for h in self.handles):
-            return None
-        return super()._add(t)
 
 
 class Parallel3DStrategy(ResumableStrategy, Strategy):
     """This rank's pipeline chunks, TP-split, FSDP-sharded over its DP group, run by a schedule."""
 
     def __init__(self, args: argparse.Namespace, ctx: DistContext, layout: BatchLayout):
-        cfg, self.mixed = model_config(args), args.mixed_precision == "bf16"
-        self.cfg, self.args, self.layout = cfg, args, layout
+        cfg, mixed = model_config(args), args.mixed_precision == "bf16"
+        self.cfg, self.args, self.layout, self.sp = cfg, args, layout, args.sequence_parallel
         self.mesh3d = mesh = init_device_mesh(args.tp, args.pp, args.dp)
-        tp_group, self.sp = mesh.tp_group, args.sequence_parallel
-        master_dtype = torch.float32 if self.mixed else DTYPES[args.dtype]
-        self.compute_dtype = torch.bfloat16 if self.mixed else master_dtype
-        m, v = layout.grad_accum, virtual_stages(args)
-        self.schedule = make_schedule(args.schedule, mesh.pp, m, v)
-        # all on the meta device until FSDP draws the parameters overlapping this rank's shards
-        chunks = split_model(build_model(cfg, dtype=master_dtype, device="meta"), mesh.pp, v,
-                             mesh.pp_rank, rope=partial(sequence_rope, cfg, mesh.tp if self.sp else 1))
-        self.tp_specs, self.head = {}, None
-        for chunk in chunks:  # TP first, then recomputation, then FSDP (torchtitan's order)
-            if chunk.tok_embeddings is not None:
-                chunk.tok_embeddings = parallelize_embedding(chunk.tok_embeddings, tp_group, self.sp)
-            parallelize_blocks(chunk.layers.values(), tp_group, self.sp)
-            if chunk.output is not None:
-                chunk.norm, chunk.output = parallelize_head(chunk.norm, chunk.output, tp_group, self.sp)
-                self.head = chunk.output
-            self.tp_specs.update(tp_shard_specs(chunk, tp_group))
-            apply_activation_checkpointing(chunk.layers, args.activation_checkpointing)
-        unit = CheckpointWrapper if args.activation_checkpointing == "full" else TransformerBlock
-        mp = MixedPrecision(torch.bfloat16, torch.float32, torch.bfloat16) if self.mixed else None
+        master_dtype = torch.float32 if mixed else DTYPES[args.dtype]
+        self.compute_dtype = torch.bfloat16 if mixed else master_dtype
+        v = virtual_stages(args.schedule, args.virtual_stages)
+        self.schedule = make_schedule(args.schedule, mesh.pp, layout.grad_accum, v)
+        meta = build_model(cfg, dtype=master_dtype, device="meta")
+        self.chunks, self.tp_specs = parallelize_3d(meta, mesh, args, ctx.device)
+        self.head = self.chunks[-1].module.output  # the vocab-parallel head on the last stage, else None
+        self.unit_shards = [u for chunk in self.chunks for u in chunk.shard_layout()]  # FSDP's description
         self.sharding = ShardingStrategy[args.sharding_strategy]
-        init = initializer(cfg, args.seed)
-
-        def tp_piece(name: str, _) -> torch.Tensor:  # the full tensor's TP piece; FSDP keeps its 1/dp
-            name = unwrapped_name(name)
-            return local_piece(init(name), self.tp_specs[name])
-
-        self.chunks = [FSDP(c, process_group=mesh.dp_group, sharding_strategy=self.sharding,
-                            auto_wrap_policy=ModuleWrapPolicy({unit}), mixed_precision=mp,
-                            device_id=ctx.device, param_init_fn=tp_piece)
-                       for c in chunks]
         self.model = nn.ModuleList(self.chunks)
         self.optimizer = make_optimizer(self.model.parameters(), args.optimizer, args.lr)
         warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10)
@@ -229,7 +161,7 @@ class Parallel3DStrategy(ResumableStrategy, Strategy):
         self.clip_grad, self.device = args.clip_grad, ctx.device
         self.counted = self._counted_segments()
         self._busy_s, self._steps = 0.0, 0
-        self.resume(getattr(args, "resume_from", None))  # sets start_step (trainer_checkpoint.py)
+        self.resume(getattr(args, "resume_from", None))  # sets start_step (checkpoint/trainer.py)
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_loss(self.head, logits, targets)
@@ -263,27 +195,18 @@ class Parallel3DStrategy(ResumableStrategy, Strategy):
         flops = flops_per_token(self.cfg, n, self.args.seq_len) * tokens / self._busy_s
         return flops / (world * peak * 1e12) if peak else None
 
-    def handles(self):
-        return [h for chunk in self.chunks for h in chunk.handles()]
-
     def _counted_segments(self) -> list[tuple[int, int, int]]:
-        """(handle index, start, end) of the slices of this rank's flat shards that enter the
+        """(unit index, start, end) of the slices of this rank's flat shards that enter the
         global norm: every element of the full model once. FSDP shards are disjoint across DP
         (NO_SHARD: only DP rank 0 counts); a TP-replicated tensor counts on one rank of each
         piece's copies (tp_rank % copies == 0)."""
-        out, tp_rank = [], self.mesh3d.tp_rank
-        for i, h in enumerate(self.handles()):
-            if h.shard_world == 1 and self.mesh3d.dp_rank != 0:
+        out = []
+        for i, unit in enumerate(self.unit_shards):
+            if unit.shard_world == 1 and self.mesh3d.dp_rank != 0:
                 continue
-            unit = next(c for chunk in self.chunks for c in chunk.units() if c._handle is h)
-            prefix = f"{unit.unit_name}." if unit.unit_name else ""
-            lo, hi, offset = h.shard_rank * h.shard_numel, (h.shard_rank + 1) * h.shard_numel, 0
-            for name, n in zip(h.names, h.numels, strict=True):
-                spec = self.tp_specs[unwrapped_name(clean_name(prefix + name))]
-                a, b = max(lo, offset), min(hi, offset + n)
-                if a < b and tp_rank % spec.copies == 0:
-                    out.append((i, a - lo, b - lo))
-                offset += n
+            for p in unit.params:
+                if p.numel and self.mesh3d.tp_rank % self.tp_specs[unwrapped_name(p.name)].copies == 0:
+                    out.append((i, p.shard_offset, p.shard_offset + p.numel))
         return out
 
     def step(self) -> None:
@@ -294,10 +217,9 @@ class Parallel3DStrategy(ResumableStrategy, Strategy):
 
     def _step_impl(self) -> None:
         if self.clip_grad is not None:
-            handles = self.handles()
-            grads = [h.flat_param.grad for h in handles]
+            grads = [u.flat_param.grad for u in self.unit_shards]
             counted = [grads[i][a:b] for i, a, b in self.counted if grads[i] is not None]
-            clip_grad_norm_(grads, counted, self.clip_grad, device=self.device)
+            clip_grad_norm_(grads, self.clip_grad, counted, groups=(dist.group.WORLD,), device=self.device)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -342,21 +264,20 @@ class Parallel3DStrategy(ResumableStrategy, Strategy):
         """Memory: Σ over this rank's units of ⌈P_u/d⌉ (P_u = the unit's TP-local parameters,
         d = the DP size, 1 under NO_SHARD) params and grads, AdamW's m and v (2×) + a step
         counter per unit; activations: `activation_formula`. Comm: comm_formulas.comm_bytes_per_step."""
-        handles = self.handles()
-        shard = sum(h.shard_numel for h in handles)
-        b = handles[0].flat_param.element_size()
-        opt = (2 * shard * b + 4 * len(handles)) if self.args.optimizer == "adamw" else 0
+        shard = sum(u.shard_numel for u in self.unit_shards)
+        b = self.unit_shards[0].flat_param.element_size()
+        opt = (2 * shard * b + 4 * len(self.unit_shards)) if self.args.optimizer == "adamw" else 0
         comm = comm_bytes_per_step(self, steps)
         return comm, {"params": shard * b, "grads": shard * b, "optimizer": opt,
                       "activations_peak": self.activation_formula()}
 
     def activation_meter(self) -> ActivationMeter:
-        return StageActivationMeter(self.handles())
+        units = self.unit_shards  # the gathered weights autograd saves are parameters, not activations
+        return ActivationMeter([u.flat_param for u in units], gathered=lambda: [u.full for u in units])
 
     def chunk_activation_bytes(self, chunk: int) -> float:
-        """One micro-batch's saved activations in chunk `chunk` (memory_model's per-block count;
-        the first stage adds token ids, the last the final norm, head input and the float32
-        softmax over the local vocabulary; each stage its RoPE tables)."""
+        """One micro-batch's saved activations in chunk `chunk` (memory_model's per-block and head
+        counts, chapter 05's terms; the first stage adds token ids, each stage its RoPE tables)."""
         cfg, t, sp = self.cfg, self.mesh3d.tp, self.sp
         b, s, e = self.layout.micro_batch, self.args.seq_len, self.compute_dtype.itemsize
         stage = self.schedule.stage(self.mesh3d.pp_rank, chunk)
@@ -366,10 +287,7 @@ class Parallel3DStrategy(ResumableStrategy, Strategy):
         if stage == 0:
             total += b * s * (8 + (1 if t > 1 else 0))  # token ids (+ the out-of-range mask)
         if stage == self.schedule.n_stages - 1:
-            local = 1 / t if sp else 1
-            rows = -(-cfg.vocab_size // t)
-            total += (2 * cfg.dim + 1) * b * s * e * local + b * s * cfg.dim * e
-            total += b * s * (rows * max(e, 4) + 8 + (1 if t > 1 else 0))
+            total += head_activation_bytes(cfg, b * s, s, t, sp, e)
         return total
 
     def activation_formula(self) -> float:

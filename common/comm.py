@@ -87,9 +87,6 @@ class CommMeter:
     def calls(self, op: str) -> int:
         return int(self.stats[op]["calls"]) if op in self.stats else 0
 
-    def reset(self) -> None:
-        self.stats.clear()
-
     def as_dict(self) -> dict[str, dict[str, float]]:
         return {op: dict(s) for op, s in sorted(self.stats.items())}
 

@@ -16,7 +16,7 @@ fp32 master, m and v 12P = 16P bytes; 7B → 112 GB before activations.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -55,12 +55,16 @@ def model_state_bytes(params: Iterable[nn.Parameter],
 
 
 class _Saved:
-    """What the pack hook hands autograd; freeing it (after backward) frees the bytes."""
+    """What the pack hook hands autograd; freeing it (after backward) frees the bytes. It keeps
+    the tensor detached (same storage and version counter): a saved output holds its grad_fn,
+    whose saved variable would hold this object, a cycle through C++ that `gc` cannot see; a
+    backward that retains the graph (ZB-H1's split B and W) never breaks it, so every graph and
+    its activations would outlive the step."""
 
     __slots__ = ("key", "meter", "tensor")
 
     def __init__(self, tensor: torch.Tensor, meter: ActivationMeter):
-        self.tensor, self.meter = tensor, meter
+        self.tensor, self.meter = tensor.detach(), meter
         self.key = meter._add(tensor)
 
     def __del__(self) -> None:
@@ -70,10 +74,14 @@ class _Saved:
 
 class ActivationMeter:
     """`with ActivationMeter(model.parameters()) as act:` … `act.peak_bytes` is the largest total
-    of distinct saved storages alive at once (parameters excluded)."""
+    of distinct saved storages alive at once (parameters excluded). `gathered()` returns the
+    tensors that hold weights gathered for compute at that moment (FSDP's unsharded flat
+    parameters): autograd saves them, but they are parameters, not activations."""
 
-    def __init__(self, params: Iterable[torch.Tensor] = ()):
+    def __init__(self, params: Iterable[torch.Tensor] = (),
+                 gathered: Callable[[], Iterable[torch.Tensor]] = tuple):
         self._param_keys = {_storage_key(p) for p in params if p.device.type != "meta"}
+        self._gathered = gathered
         self._live: dict[tuple, int] = {}
         self.current_bytes = 0
         self.peak_bytes = 0
@@ -81,7 +89,7 @@ class ActivationMeter:
 
     def _add(self, t: torch.Tensor) -> tuple | None:
         key = _storage_key(t)
-        if key in self._param_keys:
+        if key in self._param_keys or any(_storage_key(g) == key for g in self._gathered()):
             return None
         if key not in self._live:
             self.current_bytes += key[3]

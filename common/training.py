@@ -35,8 +35,8 @@ import os
 import sys
 import time
 import zlib
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -204,88 +204,110 @@ class ProgressLog:
               f"elapsed {elapsed:.1f}s  eta {eta:.1f}s", flush=True)
 
 
+class Instruments:
+    """What the loop measures a strategy with, around each of its two timed windows per step:
+    the comm meter, the wire meter (bytes observed on gloo), the CUDA peak (windows only), the
+    saved-tensor activation meter (forward_backward only, where measured), and the time between
+    two `synchronize`s."""
+
+    def __init__(self, args: argparse.Namespace, ctx: DistContext, strategy: Strategy):
+        self.device, self.seconds = ctx.device, 0.0
+        self.comm, self.peak = CommMeter(), CudaPeakMeter(ctx.device)
+        self.activations = strategy.activation_meter() if measure_activations(args, ctx.device) else None
+        self.wire = WireMeter(ctx.backend, ctx.device, ctx.world_size)
+        self.wire.calibrate()
+
+    @contextmanager
+    def measure(self, phase: str) -> Iterator[None]:
+        """One timed window: `phase` is "forward_backward" or "step"."""
+        activations = self.activations if phase == "forward_backward" else None
+        self.wire.open()
+        synchronize(self.device)
+        start = time.perf_counter()
+        with self.comm, activations or nullcontext(), self.peak:
+            yield
+        synchronize(self.device)
+        self.seconds += time.perf_counter() - start
+        self.wire.close()
+
+
 def train(args: argparse.Namespace, ctx: DistContext, strategy: Strategy, layout: BatchLayout,
           chapter: int) -> dict:
     """Train `strategy` for args.steps steps; return the run report (with --check, the verdict
     too, the same on every rank)."""
     seed_everything(args.seed)
-    data, cfg = make_data(args, ctx.device), model_config(args)
-    mixed = getattr(args, "mixed_precision", "none")
-    peak = CudaPeakMeter(ctx.device)
-    with peak.exclude():  # the reference stays resident on rank 0 but is not the strategy's
-        reference = (LockstepReference(cfg, args.seed, DTYPES[args.dtype], args.optimizer, args.lr,
-                                       ctx.device, clip_grad=getattr(args, "clip_grad", None),
-                                       mixed_precision=mixed)
+    data = make_data(args, ctx.device)
+    measured = Instruments(args, ctx, strategy)
+    with measured.peak.exclude():  # the reference stays resident on rank 0 but is not the strategy's
+        reference = (LockstepReference(model_config(args), args.seed, DTYPES[args.dtype], args.optimizer,
+                                       args.lr, ctx.device, clip_grad=getattr(args, "clip_grad", None),
+                                       mixed_precision=getattr(args, "mixed_precision", "none"))
                      if args.check and ctx.is_main else None)
-    tokens_per_step = args.global_batch * args.seq_len
-    log = ProgressLog(args.steps, tokens_per_step, getattr(args, "log_every", 0), ctx.device,
-                      strategy.start_step)
-    meter = CommMeter()
-    activations = strategy.activation_meter() if measure_activations(args, ctx.device) else None
-    wire = WireMeter(ctx.backend, ctx.device, ctx.world_size)  # observed bytes (gloo on CPU)
-    wire.calibrate()
-    start_step = strategy.start_step
-    ran = args.steps - start_step  # a resumed run reports the steps it ran
+    log = ProgressLog(args.steps, args.global_batch * args.seq_len, getattr(args, "log_every", 0),
+                      ctx.device, strategy.start_step)
+    ran = args.steps - strategy.start_step  # a resumed run reports the steps it ran
     local_losses = torch.zeros(ran, 2, dtype=torch.float64, device=ctx.device)  # [loss, has one]
-    train_time, memory = 0.0, {}
-    for i, step in enumerate(range(start_step, args.steps)):
+    memory = {}
+    for i, step in enumerate(range(strategy.start_step, args.steps)):
         tokens = data.global_batch(step, args.global_batch)
         micro = rank_micro_batches(strategy, tokens, layout.micro_batch, ctx.device)
-        wire.open()
-        synchronize(ctx.device)
-        start = time.perf_counter()
-        with meter, activations or nullcontext(), peak:
+        with measured.measure("forward_backward"):
             loss = strategy.forward_backward(micro)
-        synchronize(ctx.device)
-        train_time += time.perf_counter() - start
-        wire.close()
         record_loss(local_losses[i], loss)
         del loss
         if args.check:
             grads, params = strategy.full_gradients(), strategy.full_parameters()
             if reference is not None:
-                with peak.exclude():
+                with measured.peak.exclude():
                     reference.step(tokens, grads, params)
             del grads, params  # rank 0's gathered copies must not stay into the next window
-        wire.open()
-        synchronize(ctx.device)
-        start = time.perf_counter()
-        with meter, peak:
+        with measured.measure("step"):
             strategy.step()
             if step == args.steps - 1:
                 memory = strategy.memory()
             strategy.zero_grad()
-        synchronize(ctx.device)
-        train_time += time.perf_counter() - start
-        wire.close()
         log(step, local_losses[i : i + 1])
         strategy.after_step(step + 1)
+    report = run_report(args, ctx, strategy, layout, chapter, measured, global_loss(local_losses), memory)
+    if args.check:
+        report.update(check_verdict(ctx, strategy, reference, report["losses"]))
+    return report
 
-    losses = global_loss(local_losses)  # outside the meter
+
+def run_report(args: argparse.Namespace, ctx: DistContext, strategy: Strategy, layout: BatchLayout,
+               chapter: int, measured: Instruments, losses: list[float], memory: dict) -> dict:
+    """The run report's keys (outside the meter and the timing)."""
+    ran = len(losses)
     comm_formula, memory_formula = strategy.formulas(ran)
+    activations = measured.activations
     memory["activations_peak"] = activations.peak_bytes if activations is not None else None
-    if peak.bytes is not None:
-        memory["cuda_max_allocated"] = peak.bytes
-    report = {
+    if measured.peak.bytes is not None:
+        memory["cuda_max_allocated"] = measured.peak.bytes
+    comm = measured.comm
+    return {
         "chapter": chapter, "strategy": strategy.name, "world_size": ctx.world_size,
         "mesh": strategy.mesh, "backend": ctx.backend, "device": str(ctx.device),
-        "dtype": args.dtype, "mixed_precision": mixed, "steps": ran, "losses": losses,
-        "micro_batch": layout.micro_batch, "grad_accum": layout.grad_accum,
-        "tokens_per_s": ran * tokens_per_step / train_time,
-        "comm": meter.as_dict(), "comm_bytes_per_rank": meter.bytes_sent,
-        "comm_bytes_formula": comm_formula, "comm_convention": comm_convention(meter.as_dict()),
-        **wire.report(meter.bytes_sent),
+        "dtype": args.dtype, "mixed_precision": getattr(args, "mixed_precision", "none"), "steps": ran,
+        "losses": losses, "micro_batch": layout.micro_batch, "grad_accum": layout.grad_accum,
+        "tokens_per_s": ran * args.global_batch * args.seq_len / measured.seconds,
+        "comm": comm.as_dict(), "comm_bytes_per_rank": comm.bytes_sent,
+        "comm_bytes_formula": comm_formula, "comm_convention": comm_convention(comm.as_dict()),
+        **measured.wire.report(comm.bytes_sent),
         "memory": memory, "memory_formula": memory_formula, **strategy.report_extras(),
     }
-    if args.check:
-        params = strategy.full_parameters()
-        passed = torch.tensor([1], device=ctx.device)
-        if reference is not None:
-            report.update(reference.finish(losses, params))
-            passed.fill_(int(report["check_passed"]))
-        dist.broadcast(passed, src=0)  # every rank exits with rank 0's verdict
-        report["check_passed"] = bool(passed.item())
-    return report
+
+
+def check_verdict(ctx: DistContext, strategy: Strategy, reference: LockstepReference | None,
+                  losses: list[float]) -> dict:
+    """`--check`'s keys: rank 0 compares the final parameters and broadcasts its verdict, so
+    every rank returns (and exits with) the same `check_passed`."""
+    params = strategy.full_parameters()
+    verdict, passed = {}, torch.tensor([1], device=ctx.device)
+    if reference is not None:
+        verdict = reference.finish(losses, params)
+        passed.fill_(int(verdict["check_passed"]))
+    dist.broadcast(passed, src=0)
+    return verdict | {"check_passed": bool(passed.item())}
 
 
 def run(args: argparse.Namespace, ctx: DistContext, layout: BatchLayout,

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from common.clip import clip_grad_norm_
 from common.model import build_model, get_config
-from parallel3d.clip import clip_grad_norm_
 from parallel3d.memory_model import stage_layers
 from parallel3d.mesh import MeshError, coordinates, group_ranks, init_device_mesh, mesh_shape
 
@@ -119,7 +119,7 @@ def clip_on_mesh(dp: int, pp: int, tp: int, max_norm: float, dp_sharded: bool, b
             p.grad = g
         norm = torch.nn.utils.clip_grad_norm_(holders, max_norm, foreach=False)
     else:
-        norm = clip_grad_norm_(local, counted, max_norm)
+        norm = clip_grad_norm_(local, max_norm, counted, groups=(dist.group.WORLD,))
     expected = local_pieces(reference, dp, pp, tp, dp_sharded)
     worst = max((piece - expected[n][0]).abs().max().item() / expected[n][0].abs().max().item()
                 for n, (piece, _) in pieces.items())

@@ -3,6 +3,7 @@ against the measured ledger, the LR schedule, activation checkpointing equal to 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -11,7 +12,6 @@ import torch
 
 from common.memory import ActivationMeter
 from common.model import CONFIGS, LlamaConfig, build_model, count_parameters, loss_fn
-from parallel3d.checkpointing import apply_activation_checkpointing, unwrapped_name
 from parallel3d.lr_schedule import warmup_cosine, warmup_cosine_scheduler
 from parallel3d.memory_model import (
     GB,
@@ -23,7 +23,29 @@ from parallel3d.memory_model import (
     stage_layers,
     total_parameters,
 )
-from parallel3d.planner import MODELS, Hardware, article_scenario, main, plan, price, recommend
+from parallel3d.planner import (
+    MODELS,
+    TABLE_SCENARIOS,
+    Hardware,
+    article_alternative,
+    article_row,
+    article_scenario,
+    main,
+    plan,
+    price,
+    recommend,
+    step_terms,
+    why_not,
+)
+from parallel3d.recompute import apply_recompute, unwrapped_name
+
+
+@functools.cache
+def planned(name: str) -> list:
+    """The table scenario's priced candidates (80 GB GPUs), computed once for the module."""
+    _, gpus, seq, batch = next(row for row in TABLE_SCENARIOS if row[0] == name)
+    return plan(MODELS[name], gpus, 80, seq, batch)
+
 
 # --- the source article's numbers ---------------------------------------------------------------
 
@@ -61,26 +83,57 @@ def test_llama31_405b_at_tp8_pp16_dp128_fits_on_16k_gpus():
     p = price(cfg, layout, seq_len=8192, global_batch=2048, gpu_mem_gb=80, hw=Hardware())
     assert layout.gpus == 16384 and p.fits, p.memory
     assert stage_layers(126, 16) == [8] * 14 + [7] * 2
-    best = recommend(plan(cfg, 16384, 80, 8192, 2048))
+    best = recommend(planned("llama3.1-405b"))
     assert best.layout.tp == 8 and best.layout.pp >= 8
     assert p.step_s <= 1.25 * best.step_s
 
 
-@pytest.mark.parametrize("model, gpus, seq, batch, ok", [
+@pytest.mark.parametrize("model, ok", [
     # ≤7B, 1-8 GPUs: FSDP or ZeRO-2, no TP, no PP
-    ("llama2-7b", 8, 4096, 1024, lambda lo: lo.tp == 1 and lo.pp == 1 and lo.zero >= 2),
+    ("llama2-7b", lambda lo: lo.tp == 1 and lo.pp == 1 and lo.zero >= 2),
     # 7-13B, 4-16 GPUs: ZeRO-2/3 or FSDP, TP 2-4 optional
-    ("llama2-13b", 16, 4096, 1024, lambda lo: lo.tp <= 4 and lo.pp == 1 and lo.zero >= 2),
-    # 30-70B, 16-64 GPUs: TP 4-8 inside the node + FSDP, PP if several nodes
-    ("llama2-70b", 64, 4096, 1024, lambda lo: lo.tp in (4, 8) and lo.zero >= 2),
-    # 70-200B, 64-256 GPUs: TP 8 (+ PP 4-8) + FSDP
-    ("llama-175b-shape", 256, 4096, 1024, lambda lo: lo.tp == 8 and lo.zero >= 2),
-    # 400B+, 1000+ GPUs: TP 8 + PP 16+ + FSDP (the planner: PP ≥ 8, see the README)
-    ("llama3.1-405b", 16384, 8192, 2048, lambda lo: lo.tp == 8 and lo.pp >= 8),
+    ("llama2-13b", lambda lo: lo.tp <= 4 and lo.pp == 1 and lo.zero >= 2),
+    # 30-70B, 16-64 GPUs: TP 4-8 inside the node + FSDP, PP if several nodes (8 nodes: PP 4)
+    ("llama2-70b", lambda lo: lo.tp == 4 and lo.pp == 4 and lo.zero >= 2),
+    # 70-200B, 64-256 GPUs: TP 8 + PP 4-8 + FSDP (the planner: ZeRO-1, see the next test)
+    ("llama-175b-shape", lambda lo: lo.tp == 8 and 4 <= lo.pp <= 8 and lo.recompute == "none"),
+    # 400B+, 1000+ GPUs: TP 8 + PP 16+ + FSDP (the planner: PP 8 v8, see the test after)
+    ("llama3.1-405b", lambda lo: (lo.tp, lo.pp, lo.virtual_stages, lo.recompute) == (8, 8, 8, "full")),
 ])
-def test_recommendation_follows_the_articles_table(model, gpus, seq, batch, ok):
-    best = recommend(plan(MODELS[model], gpus, 80, seq, batch))
+def test_recommendation_follows_the_articles_table(model, ok):
+    best = recommend(planned(model))
     assert best is not None and ok(best.layout), best.layout
+
+
+def test_175b_takes_the_articles_pp_4_to_8_because_pp_2_holds_too_much_per_stage():
+    """PP 2 holds 48 blocks per GPU: with its gradients whole (DDP, ZeRO-1, which accumulate over
+    the micro-batches) it fits only with full recomputation (+ a third of a forward); with them
+    sharded (ZeRO-2, FSDP) every one of its 64 micro-batches reduce-scatters 18.5 GB of shards
+    over the network, and that traffic no longer hides behind a micro-batch's backward."""
+    plans = planned("llama-175b-shape")
+    best = recommend(plans)
+    assert article_alternative(plans, article_row(175e9)[2]) is not None
+    pp2 = [p for p in plans if p.layout.pp == 2 and p.fits]
+    assert all(p.layout.zero >= 2 or p.layout.recompute == "full" for p in pp2)
+    fastest = min(pp2, key=lambda p: p.step_s)
+    extra = {k: step_terms(fastest)[k] - v for k, v in step_terms(best).items()}
+    assert fastest.layout.zero >= 2 and extra["DP"] > 1.0 and fastest.step_s > best.step_s, extra
+    unsharded = min((p for p in pp2 if p.layout.zero <= 1), key=lambda p: p.step_s)
+    assert unsharded.step_s > 1.25 * best.step_s
+
+
+def test_405b_at_the_articles_pp_16_pays_a_bubble_twice_as_large():
+    """2,048 sequences on 16,384 GPUs at TP 8: every replica runs m = p micro-batches, so the
+    bubble (p-1)/(v·m) ≈ 1/v, and v ≤ L/p: 126 layers take PP 8 × v 8 (11%) but only PP 16 × v 4
+    (23%: 16 × 8 chunks would need 128 layers). The bubble is most of PP 16's extra step time."""
+    plans = planned("llama3.1-405b")
+    best = recommend(plans)
+    other = article_alternative(plans, article_row(405e9)[2])
+    assert other.layout.pp == 16 and other.layout.virtual_stages == 4
+    extra = {k: step_terms(other)[k] - v for k, v in step_terms(best).items()}
+    assert other.step_s > 1.1 * best.step_s
+    assert extra["bubble"] > 0.5 * (other.step_s - best.step_s), extra
+    assert "bubble 15/(4·16) = 23.4%, 7/(8·8) = 10.9%" in why_not(best, other)
 
 
 def test_nothing_fits_is_reported():
@@ -91,6 +144,10 @@ def test_cli_prints_candidates_and_a_recommendation(capsys):
     assert main(["--model", "llama2-70b", "--gpus", "64", "--gpu-mem-gb", "80", "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "recommended: TP" in out and "article's table" in out
+    assert "its pipeline depth, priced" not in out  # PP 4 is among the depths the article names
+    assert main(["--model", "llama3.1-405b", "--gpus", "16384", "--seq-len", "8192",
+                 "--global-batch", "2048", "--top", "0"]) == 0
+    assert "its pipeline depth, priced: TP 8 × PP 16 v4" in capsys.readouterr().out
     assert main(["--gpus", "0"]) == 2
 
 
@@ -107,21 +164,24 @@ def test_activation_formula_within_10_percent_of_the_ledger(cfg, mode, dtype):
     transient is not among them) against L · per-layer + head."""
     batch, seq = 2, 24
     model = build_model(cfg, 0, dtype)
-    apply_activation_checkpointing(model.layers, mode)
+    apply_recompute(model.layers, mode)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1))
     with ActivationMeter(model.parameters()) as meter:
         loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
     e = torch.empty((), dtype=dtype).element_size()
     formula = (cfg.n_layers * layer_activation_bytes(cfg, batch * seq, seq, recompute=mode, elem=e)
-               + head_activation_bytes(cfg, batch * seq, elem=e))
+               + head_activation_bytes(cfg, batch * seq, seq, elem=e))
     assert meter.peak_bytes == pytest.approx(formula, rel=0.1)
 
 
 def test_model_state_formula_equals_bytes_per_parameter():
+    """fp32: 4 + 4 + 8 bytes per parameter, and Adam's float32 step count per flat tensor (one
+    per block, one for the embedding, norm and head)."""
     cfg = CONFIGS["small"]
     mem = memory_per_gpu(cfg, Layout(), seq_len=64, microbatches=1, precision="fp32")
     n = count_parameters(build_model(cfg, device="meta"))
-    assert (mem["weights"], mem["grads"], mem["optimizer"]) == (4 * n, 4 * n, 8 * n)
+    units = cfg.n_layers + 1
+    assert (mem["weights"], mem["grads"], mem["optimizer"]) == (4 * n, 4 * n, 8 * n + 4 * units)
 
 
 # --- activation checkpointing ------------------------------------------------------------------
@@ -133,7 +193,7 @@ def test_activation_checkpointing_equals_none_in_float64(mode):
     grads = {}
     for m in ("none", mode):
         model = build_model(cfg, 0, torch.float64)
-        apply_activation_checkpointing(model.layers, m)
+        apply_recompute(model.layers, m)
         loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
         loss.backward()
         grads[m] = (loss.item(), {unwrapped_name(n): p.grad for n, p in model.named_parameters()})
@@ -145,7 +205,7 @@ def test_activation_checkpointing_equals_none_in_float64(mode):
 
 def test_unknown_checkpointing_mode_is_rejected():
     with pytest.raises(ValueError, match="use one of none, full, selective"):
-        apply_activation_checkpointing([], "some")
+        apply_recompute([], "some")
 
 
 # --- LR schedule ---------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from common.bench import interleaved, seconds_per_call
 from tests.collective_guard import (
     CollectiveGuard,
     LiveGroupHolderError,
@@ -41,6 +42,9 @@ BENCHES = {  # chapter directory: (ranks, the smallest flags that run every code
                         "--steps", "1", "--schedules", "1f1b", "--png", ""]),
     "07_3d": (2, ["--model", "tiny", "--mesh", "1,1,2", "--reshard-mesh", "1,2,1", "--repeats", "1"]),
 }
+
+
+pytestmark = pytest.mark.usefixtures("closed_pools")  # see conftest.RUN_LAST
 
 
 def run_bench(chapter: str, nproc: int, flags: list[str]) -> tuple[subprocess.CompletedProcess, float]:
@@ -85,6 +89,29 @@ def test_bench_exits_with_a_result_under_the_collective_guard(chapter):
 
 def test_every_chapter_with_a_bench_is_exercised():
     assert {p.parent.name for p in REPO.glob("0*_*/bench.py")} == BENCHES.keys()
+
+
+# --- the harness's timing method, in the rank pool (world size 2, gloo) ------------------------
+
+def _time_three_contenders() -> tuple[list, dict, dict, int]:
+    """"b" sleeps 10 ms on rank 0 and 30 ms on rank 1; "a" and "c" return at once."""
+    order, calls = [], []
+    naps = {"a": 0.0, "b": 0.01 + 0.02 * dist.get_rank(), "c": 0.0}
+    steps = {n: (lambda r, n=n: (order.append((r, n)), time.sleep(naps[n]))) for n in "abc"}
+    timings = interleaved(steps, rounds=2, warmup=1, device=torch.device("cpu"))
+    per_call = seconds_per_call({"nap": lambda: (calls.append(1), time.sleep(0.005))}, iters=3, rounds=2,
+                                device=torch.device("cpu"))
+    return order, timings.rounds, per_call, len(calls)
+
+
+def test_interleaved_rotates_the_order_and_keeps_the_slowest_rank(pools):
+    results = pools.run(2, _time_three_contenders)
+    order, rounds, per_call, n_calls = results[0]
+    assert order == [(0, "a"), (0, "b"), (0, "c"), (1, "b"), (1, "c"), (1, "a"), (2, "c"), (2, "a"), (2, "b")]
+    assert rounds == results[1][1]  # every rank reports the same, slowest-rank times
+    assert [len(t) for t in rounds.values()] == [2, 2, 2]  # the warm-up round is not timed
+    assert all(0.03 <= t < 0.3 for t in rounds["b"]), rounds["b"]  # rank 1's 30 ms, not rank 0's 10
+    assert n_calls == 1 + 2 * 3 and 0.005 <= per_call["nap"] < 0.05  # one warm-up call; mean per call
 
 
 # --- the guard's negative controls, in the rank pool (world size 2, gloo) ----------------------

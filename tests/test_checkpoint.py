@@ -1,5 +1,5 @@
 """Chapter 07 checkpoints: the format, atomic commit, crashes at every point of a save, and one
-clear error for each way a checkpoint can be bad (parallel3d.checkpoint, checkpoint_load)."""
+clear error for each way a checkpoint can be bad (parallel3d.checkpoint: save, load)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel3d.checkpoint import CRASH_ENV, CheckpointError, Shard, save_checkpoint
-from parallel3d.checkpoint_load import load_checkpoint, read_full, resolve_checkpoint, verify_checkpoint
+from parallel3d.checkpoint.load import load_checkpoint, read_full, resolve_checkpoint, verify_checkpoint
+from parallel3d.checkpoint.save import CRASH_ENV, CheckpointError, Shard, save_checkpoint
 from tests.forked import run_forked
 from tests.harness import RankError
 

@@ -1,5 +1,5 @@
 """Chapter 07 checkpoints, resharding: any partitioning of a tensor fills any other
-(parallel3d.reshard), a checkpoint saved on one dp × pp × tp mesh loads bitwise on another, and a
+(parallel3d.checkpoint.reshard), a checkpoint saved on one dp × pp × tp mesh loads bitwise on another, and a
 run resumed from a checkpoint continues exactly like the uninterrupted one."""
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ from hypothesis import strategies as st
 
 from common.data import SyntheticTokens, split_inputs_targets
 from common.model import build_model, get_config, loss_fn
-from parallel3d import reshard
-from parallel3d.checkpoint import CheckpointError, Shard, plan_writes, save_checkpoint
-from parallel3d.checkpoint_load import load_checkpoint
-from parallel3d.checkpoint_state import (
+from parallel3d.checkpoint import reshard
+from parallel3d.checkpoint.load import load_checkpoint
+from parallel3d.checkpoint.reshard import Region, copy_overlap, extract
+from parallel3d.checkpoint.save import CheckpointError, Shard, plan_writes, save_checkpoint
+from parallel3d.checkpoint.shard_layout import check_mesh, llama_3d_layout, llama_shapes
+from parallel3d.checkpoint.state import (
     ParamSlice,
     capture_rng_state,
     init_optimizer_state,
@@ -28,8 +30,6 @@ from parallel3d.checkpoint_state import (
     param_groups_state,
     restore_rng_state,
 )
-from parallel3d.reshard import Region, copy_overlap, extract
-from parallel3d.shard_layout import check_mesh, llama_3d_layout, llama_shapes
 
 # --- the slice mapping, on random partitionings ----------------------------------------------
 

@@ -1,7 +1,7 @@
 """Chapter 07 checkpoints in the 3D trainer: a float64 run saved at step k on one dp × pp × tp
 mesh and resumed on another ends where the uninterrupted run ends (bitwise on the same mesh),
 with the data order, the warm-up + cosine schedule and AdamW's state carried over
-(parallel3d.trainer_checkpoint)."""
+(parallel3d.checkpoint.trainer)."""
 
 from __future__ import annotations
 
@@ -25,10 +25,9 @@ from common.dist import init_distributed
 from common.model import LlamaConfig
 from common.training import rank_micro_batches, run
 from parallel3d import train as train3d
-from parallel3d.checkpoint import CheckpointError
-from parallel3d.checkpoint_load import read_full
-from parallel3d.lr_schedule import warmup_cosine_scheduler
-from parallel3d.trainer_checkpoint import (
+from parallel3d.checkpoint.load import read_full
+from parallel3d.checkpoint.save import CheckpointError
+from parallel3d.checkpoint.trainer import (
     checkpoint_to_resume,
     data_identity,
     data_mismatch,
@@ -36,6 +35,7 @@ from parallel3d.trainer_checkpoint import (
     save_trainer_state,
     validate_checkpoint_flags,
 )
+from parallel3d.lr_schedule import warmup_cosine_scheduler
 from tests.equivalence import TrainSpec, spec_args
 from tests.forked import run_forked
 from tests.harness import RankError

@@ -14,9 +14,11 @@ from common.comm import CommMeter, all_gather_single, reduce_scatter_single
 from common.data import ByteCorpus, SyntheticTokens, local_micro_batches
 from common.dist import LaunchError, env_world_size, pick_backend
 from common.memory import ActivationMeter, model_state_bytes, storage_bytes
-from common.reference import SCALE_FLOOR, relative_diff
+from common.model import get_config
+from common.reference import SCALE_FLOOR, TOLERANCE, make_reference, relative_diff
 from common.report import comm_convention, emit_report
 from common.wire import WireMeter
+from tests.equivalence import RunRecord, TrainSpec, compare
 
 
 def meter_every_op() -> dict:
@@ -194,3 +196,34 @@ def test_relative_diff_still_sees_a_small_bug_in_any_tensor_above_the_floor():
     assert relative_diff({"a": big, "b": small * (1 + 1e-6)}, {"a": big, "b": small}) == pytest.approx(1e-6)
     tiny = torch.full((4,), SCALE_FLOOR / 100, dtype=torch.float64)  # below the floor: 1/100 as loud
     assert relative_diff({"a": big, "b": tiny * 2}, {"a": big, "b": tiny}) == pytest.approx(1e-2)
+
+
+# --- the checker itself compares every step, not only the last ---------------------------------
+
+def recorded_reference_run(spec) -> RunRecord:
+    """A record that is the reference itself, with the parameters each step started from (the
+    teacher-forced check reads them): every measure is at rounding level."""
+    trainer = make_reference(spec.cfg, spec.seed, spec.torch_dtype, spec.optimizer, spec.lr,
+                             clip_grad=spec.clip_grad, mixed_precision=spec.mixed_precision)
+    data, losses, grads, starts = spec.data(), [], [], []
+    for step in range(spec.steps):
+        starts.append({n: t.clone() for n, t in trainer.parameters().items()})
+        loss, g = trainer.step(data.global_batch(step, spec.global_batch))
+        losses.append(loss)
+        grads.append(g)
+    params = {n: t.clone() for n, t in trainer.parameters().items()}
+    return RunRecord(losses, grads, params, starts if spec.dtype != "float64" else [])
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_the_checker_sees_a_wrong_first_step_gradient_when_later_steps_are_right(dtype):
+    """The properties' verdict (`compare`: free-running in float64, teacher-forced like --check
+    otherwise) takes every step's gradients: one tensor of step 1 off by 1% must fail it, although
+    steps 2 and 3 (and the final parameters) are exactly the reference's."""
+    spec = TrainSpec(cfg=get_config("tiny", n_layers=1), world_size=1, global_batch=2,
+                     micro_batch=2, seq_len=4, steps=3, dtype=dtype)
+    record = recorded_reference_run(spec)
+    assert max(compare(record, spec).values()) <= TOLERANCE[spec.precision]
+    record.grads[0]["output.weight"] = record.grads[0]["output.weight"] * (1 + 1e-2)
+    diffs = compare(record, spec)
+    assert diffs["grad"] > 10 * TOLERANCE[spec.precision], diffs

@@ -167,6 +167,83 @@ def test_a_gradient_ready_twice_before_its_reduction_is_an_error_on_every_rank(p
     pools.run(2, dist.barrier)  # nobody was left inside a collective
 
 
+# ---------------------------------------------------------------- torch's knobs: bucket cap, unused params
+
+def test_bucket_cap_none_is_one_bucket_and_zero_a_bucket_per_parameter(pools):
+    """(Training on any layout is the property above: buckets only change when the sum runs.)"""
+    numels = [p.numel() for p in build_model(TINY).parameters()]
+    assert pools.run(1, bucket_count, TINY, None)[0] == [sum(numels)]
+    assert pools.run(1, bucket_count, TINY, 0)[0] == numels[::-1]
+
+
+class Branchy(nn.Module):
+    """`branch` runs only when asked (a branch not taken on some ranks, or on all); `never` never."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.branch, self.never = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, take_branch: bool):
+        h = self.trunk(x).tanh()
+        return self.branch(h) if take_branch else h
+
+
+# (step, rank, micro-batch) that take the branch: step 0 on rank 0's first micro-batch (under
+# no_sync: its gradient must survive the last one), step 1 on rank 1's last (rank 0's slot still
+# holds step 0's gradient, which the optimizer set to None), step 2 nowhere (no rank uses it).
+BRANCH_TAKEN = {(0, 0, 0), (1, 1, 1)}
+UNUSED_SPEC = (2, 3, 2)  # world, steps, micro-batches
+
+
+def branchy_batches(step: int, rank: int) -> list[tuple[torch.Tensor, bool]]:
+    _, _, micro = UNUSED_SPEC
+    g = torch.Generator().manual_seed(100 * step + 10 * rank)
+    return [(torch.randn(3, 4, generator=g, dtype=torch.float64), (step, rank, m) in BRANCH_TAKEN)
+            for m in range(micro)]
+
+
+def branchy_run(distributed: bool) -> dict:
+    """Three AdamW steps of Branchy: on every rank through DDP(find_unused_parameters=True), or on
+    one device over every rank's micro-batches (the reference). Gradients as applied (None kept)."""
+    world, steps, micro = UNUSED_SPEC
+    torch.manual_seed(0)
+    model = Branchy().double()
+    net = (DistributedDataParallel(model, bucket_cap_mb=None, find_unused_parameters=True)
+           if distributed else model)
+    optimizer = make_optimizer(model.parameters(), "adamw", 1e-2)
+    grads = []
+    for step in range(steps):
+        ranks = [dist.get_rank()] if distributed else range(world)
+        for rank in ranks:
+            for m, (x, take) in enumerate(branchy_batches(step, rank)):
+                last = m == micro - 1
+                with nullcontext() if last or not distributed else net.no_sync():
+                    loss = net(x, take).pow(2).mean() / micro / (1 if distributed else world)
+                    loss.backward()
+        grads.append({n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def test_find_unused_parameters_trains_as_one_device_does(pools):
+    """A parameter used on some ranks only gets the average with zeros from the others (a stale
+    slot is zeroed, an accumulated no_sync gradient kept); one that no rank used keeps grad None,
+    so AdamW skips it (no weight decay, no momentum) exactly as on one device."""
+    world, steps, _ = UNUSED_SPEC
+    expected = branchy_run(distributed=False)
+    for ranked in pools.run(world, branchy_run, True):
+        for step in range(steps):
+            for name, want in expected["grads"][step].items():
+                got = ranked["grads"][step][name]
+                assert (got is None) == (want is None), (step, name, got, want)
+                if want is not None:
+                    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15, msg=f"{step} {name}")
+        for name, want in expected["params"].items():
+            torch.testing.assert_close(ranked["params"][name], want, rtol=1e-12, atol=1e-15, msg=name)
+    assert expected["grads"][2]["branch.weight"] is None and expected["grads"][1]["branch.weight"] is not None
+
+
 # ---------------------------------------------------------------- fp32 main_grad for bf16 parameters
 
 def main_grads(spec: TrainSpec, reduce_dtype: torch.dtype | None) -> dict:
@@ -337,7 +414,7 @@ class ScaledGradient(DataParallelStrategy):
     def forward_backward(self, micro_batches):
         loss = super().forward_backward(micro_batches)
         with torch.no_grad():
-            self.master[-1].grad.mul_(self.factor)
+            self.weights.master[-1].grad.mul_(self.factor)
         return loss
 
 

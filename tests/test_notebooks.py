@@ -8,6 +8,8 @@ import pytest
 
 from common.notebooks import REPO_ROOT, execute, lesson_notebooks
 
+pytestmark = pytest.mark.usefixtures("closed_pools")  # see conftest.RUN_LAST
+
 NOTEBOOKS = lesson_notebooks()
 IDS = [p.parent.name for p in NOTEBOOKS]
 

@@ -26,6 +26,7 @@ from common.model import build_model, get_config, loss_fn
 from common.reference import relative_diff
 from common.training import train
 from pipeline import train as pp_train
+from pipeline.backward_split import backward_input, backward_weight
 from pipeline.executor import PipelineExecutor
 from pipeline.schedules import Action, Schedule, make_schedule, messages, peak_in_flight, schedule_error
 from pipeline.simulator import DeadlockError, bubble_fraction, closed_form_bubble, simulate
@@ -272,6 +273,33 @@ def test_activation_memory_grows_with_m_for_gpipe_and_with_p_for_1f1b(pools):
     per_microbatch = gpipe[0] / ms[0]
     assert gpipe == pytest.approx([m * per_microbatch for m in ms], rel=0.02)  # ∝ m
     assert one_f_one_b == pytest.approx([2 * per_microbatch] * len(ms), rel=0.02)  # ∝ p = 2
+
+
+def split_backward_of_one_microbatch(chunk: torch.nn.Module, x: torch.Tensor, targets: torch.Tensor,
+                                     meter: ActivationMeter) -> int:
+    """B then W on a last stage's chunk; the ledger's bytes while the graph waits for W."""
+    x.requires_grad_()
+    _, state = backward_input(loss_fn(chunk(x), targets), x, None)
+    waiting = meter.current_bytes
+    backward_weight(state)
+    return waiting
+
+
+def test_zb_split_backward_leaves_no_graph_alive_after_w_leak():
+    """B retains the graph for W, so a saved tensor lives exactly as long as its graph: once W
+    ran and the micro-batch is dropped, the ledger is back to zero, micro-batch after micro-batch
+    (the ledger once held each saved output with its grad_fn, a cycle through C++ that gc cannot
+    break: the graphs of every step stayed alive)."""
+    cfg = get_config("tiny", n_layers=2)
+    chunk = build_stages(build_model(cfg, 0, torch.float64), cfg, 2, 1, 1)[0]  # stage 1 of 2
+    tokens = SyntheticTokens(cfg.vocab_size, 4).global_batch(0, 3)
+    generator = torch.Generator().manual_seed(0)
+    with ActivationMeter(chunk.parameters()) as meter:
+        for k in range(3):
+            x = torch.randn(1, 4, cfg.dim, dtype=torch.float64, generator=generator)
+            assert split_backward_of_one_microbatch(chunk, x, tokens[k : k + 1, 1:], meter) > 0
+            assert meter.current_bytes == 0, (k, meter.current_bytes)
+    assert all(p.grad is not None for p in chunk.parameters())
 
 
 # --- the measured bubble --------------------------------------------------------------------------

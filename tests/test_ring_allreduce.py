@@ -56,9 +56,9 @@ from ring_allreduce.ring import (
     ring_traffic,
 )
 from ring_allreduce.simulator import diagram, simulate
+from tests.data_parallel_runs import run_data_parallel
 from tests.equivalence import RunRecord, TrainSpec, assert_matches_reference, data_parallel_specs
 from tests.harness import RankError
-from tests.test_data_parallel import run_data_parallel
 
 REPO = Path(__file__).resolve().parent.parent
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16,

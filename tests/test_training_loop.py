@@ -42,8 +42,8 @@ class PartialNormClipping(DataParallelStrategy):
     """Toy broken strategy: clips each rank by a norm of only half of its gradients."""
 
     def step(self) -> None:
-        half = self.master[: len(self.master) // 2]
-        torch.nn.utils.clip_grad_norm_(half, self.clip_grad, foreach=False)
+        master = self.weights.master
+        torch.nn.utils.clip_grad_norm_(master[: len(master) // 2], self.clip_grad, foreach=False)
         self.optimizer.step()
 
 

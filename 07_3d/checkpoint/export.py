@@ -1,12 +1,11 @@
 """Export a sharded checkpoint as one plain state dict of common's LLaMA, or in Hugging Face's
-LLaMA layout; and import an HF LLaMA state dict back.
+LLaMA layout; and import an HF LLaMA state dict back (`python -m parallel3d.checkpoint.export`):
 
-    python -m parallel3d.export CKPT --out model.pt               common names, torch.save
-    python -m parallel3d.export CKPT --out model.safetensors      the same, if safetensors is installed
-    python -m parallel3d.export CKPT --out hf_dir --hf            config.json + model.safetensors
-                                                                  (or pytorch_model.bin), for
-                                                                  LlamaForCausalLM.from_pretrained
-    python -m parallel3d.export hf_dir --from-hf --out model.pt   HF → common names (to start a run here)
+    CKPT --out model.pt               common names, torch.save
+    CKPT --out model.safetensors      the same, if safetensors is installed
+    CKPT --out hf_dir --hf            config.json + model.safetensors (or pytorch_model.bin),
+                                      for LlamaForCausalLM.from_pretrained
+    hf_dir --from-hf --out model.pt   HF → common names (to start a run here)
 
 Rotary layouts. common (like Meta's original LLaMA) rotates interleaved pairs of each head's
 dimensions, (x[2i], x[2i+1]); HF's LlamaForCausalLM rotates halves, (x[i], x[i + d/2])
@@ -30,9 +29,9 @@ from pathlib import Path
 import torch
 
 from common.model import LlamaConfig, get_config
-from parallel3d.checkpoint import CheckpointError
-from parallel3d.checkpoint_load import read_full
-from parallel3d.checkpoint_state import OPTIM
+from parallel3d.checkpoint.load import read_full
+from parallel3d.checkpoint.save import CheckpointError
+from parallel3d.checkpoint.state import OPTIM
 
 HF_NAMES = {  # common name (per block: after "layers.{i}.") → HF name
     "attention.wq.weight": "self_attn.q_proj.weight",

@@ -1,4 +1,5 @@
-"""Activation checkpointing (recomputation) as a wrapper the trainer applies to the model's blocks.
+"""Activation recomputation ("activation checkpointing" in torch and on the command line) as a
+wrapper the trainer applies to the model's blocks.
 
     none       every block saves what autograd needs:      L · (10h + 4F) · e bytes per token
     full       a block keeps only its input; backward reruns its forward first:  L · h · e
@@ -42,11 +43,11 @@ def unwrapped_name(name: str) -> str:
     return name.replace(PREFIX, "")
 
 
-def apply_activation_checkpointing(blocks: nn.ModuleList | nn.ModuleDict, mode: str) -> None:
+def apply_recompute(blocks: nn.ModuleList | nn.ModuleDict, mode: str) -> None:
     """In place: 'full' wraps each block of `blocks` (a ModuleList, or a pipeline stage's
     ModuleDict), 'selective' wraps each block's `attention`, 'none' does nothing."""
     if mode not in MODES:
-        raise ValueError(f"activation checkpointing {mode!r}: use one of {', '.join(MODES)}")
+        raise ValueError(f"recompute {mode!r}: use one of {', '.join(MODES)}")
     if mode == "none":
         return
     keys = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else range(len(blocks))

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .checkpoint import Shard
 from .reshard import Region
+from .save import Shard
 
 OPTIM = "optim."
 

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .checkpoint import (
+from .reshard import Region, copy_overlap, overlap_numel
+from .save import (
     FORMAT,
     LATEST,
     METADATA,
@@ -40,7 +41,6 @@ from .checkpoint import (
     as_shard,
     list_checkpoints,
 )
-from .reshard import Region, copy_overlap, overlap_numel
 
 
 @dataclass

@@ -21,8 +21,6 @@ vocab_size, hidden_dim).
 
 from __future__ import annotations
 
-import math
-
 from .reshard import Region
 
 COLUMN = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
@@ -114,11 +112,3 @@ def llama_3d_layout(cfg, dp: int, pp: int, tp: int, rank: int) -> dict[str, Regi
 def mesh_regions(cfg, dp: int, pp: int, tp: int) -> list[dict[str, Region]]:
     """Every rank's layout, rank order."""
     return [llama_3d_layout(cfg, dp, pp, tp, r) for r in range(dp * pp * tp)]
-
-
-def held_numel(layout: dict[str, Region]) -> int:
-    return sum(r.numel for r in layout.values())
-
-
-def full_numel(cfg) -> int:
-    return sum(math.prod(s) for s in llama_shapes(cfg).values())

@@ -29,9 +29,10 @@ import torch
 
 from common.cli import ConfigError, require
 from common.data import ByteCorpus
-from parallel3d.checkpoint import CheckpointError, save_checkpoint
-from parallel3d.checkpoint_load import load_checkpoint, open_checkpoint, resolve_checkpoint
-from parallel3d.checkpoint_state import (
+from parallel3d.checkpoint.load import load_checkpoint, open_checkpoint, resolve_checkpoint
+from parallel3d.checkpoint.reshard import Region
+from parallel3d.checkpoint.save import CheckpointError, save_checkpoint
+from parallel3d.checkpoint.state import (
     ParamSlice,
     capture_rng_state,
     init_optimizer_state,
@@ -41,8 +42,7 @@ from parallel3d.checkpoint_state import (
     param_groups_state,
     restore_rng_state,
 )
-from parallel3d.checkpointing import unwrapped_name
-from parallel3d.reshard import Region
+from parallel3d.recompute import unwrapped_name
 
 DATA_KEYS = ("seed", "data", "global_batch", "seq_len")  # a resume must see the same batches
 RESUME = ("never", "must", "auto")
@@ -50,31 +50,22 @@ CHECKPOINT_DEFAULTS = {"checkpoint_dir": None, "save_every": 0, "resume": "never
 
 
 def param_slices(strategy) -> dict[str, ParamSlice]:
-    """{reference name: ParamSlice of a flat shard} for every element this rank holds."""
-    from fsdp import clean_name  # the trainer's package, imported here so the core stays torch-only
-
+    """{reference name: ParamSlice of a flat shard} for every element this rank holds: FSDP's
+    description of each piece (fsdp's shard_layout) placed in the full tensor by its TP box."""
     tp_rank = strategy.mesh3d.tp_rank
     out: dict[str, ParamSlice] = {}
-    for chunk in strategy.chunks:
-        for unit in chunk.units():
-            h = unit._handle
-            if h is None:
+    for unit in strategy.unit_shards:
+        for p in unit.params:
+            if not p.numel:
                 continue
-            prefix = f"{unit.unit_name}." if unit.unit_name else ""
-            lo, hi, offset = h.shard_rank * h.shard_numel, (h.shard_rank + 1) * h.shard_numel, 0
-            for name, shape, n in zip(h.names, h.shapes, h.numels, strict=True):
-                ref = unwrapped_name(clean_name(prefix + name))
-                spec = strategy.tp_specs[ref]
-                local = tuple(shape)
-                offsets, full = [0] * len(local), list(local)
-                if not spec.replicated:
-                    offsets[spec.dim] = (tp_rank // spec.copies) * local[spec.dim]
-                    full[spec.dim] = spec.full_size
-                a, b = max(lo, offset), min(hi, offset + n)
-                if a < b:
-                    region = Region(tuple(full), tuple(offsets), local, a - offset, b - a)
-                    out[ref] = ParamSlice(h.flat_param, region, start=a - lo)
-                offset += n
+            ref = unwrapped_name(p.name)
+            spec, local = strategy.tp_specs[ref], tuple(p.shape)
+            offsets, full = [0] * len(local), list(local)
+            if not spec.replicated:
+                offsets[spec.dim] = (tp_rank // spec.copies) * local[spec.dim]
+                full[spec.dim] = spec.full_size
+            region = Region(tuple(full), tuple(offsets), local, p.offset, p.numel)
+            out[ref] = ParamSlice(unit.flat_param, region, start=p.shard_offset)
     return out
 
 

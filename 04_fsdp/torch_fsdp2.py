@@ -1,0 +1,143 @@
+"""torch's own FSDP2 (`torch.distributed.fsdp.fully_shard`) as a yardstick for chapter 04.
+
+The same units as ours (each TransformerBlock, then the root) under the shared Strategy interface,
+so `train.py --impl torch-fsdp2 --check` holds torch's implementation to the same single-device
+reference as ours, and bench.py times both.
+
+FSDP2 shards every parameter along dim 0 (a DTensor per parameter, each padded to a multiple of
+N rows) instead of one flat parameter per unit; the bytes it gathers and reduces are the same up
+to that padding, which the formulas below count:
+
+    padded(p) = ⌈rows/N⌉·N · numel/rows        comm/step = (N-1)/N · (gathers·b_param + reduces·b_reduce)
+
+On torch 2.6-2.8 with gloo, FSDP2's reduce-scatter asks for ReduceOp.AVG, which gloo silently
+computes as a SUM: gradients come out N× too large — a loss curve under AdamW barely shows it,
+`--check`'s gradient comparison does.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from common.cli import DTYPES, model_config
+from common.data import split_inputs_targets
+from common.dist import DistContext
+from common.memory import ActivationMeter, optimizer_state_tensors, storage_bytes
+from common.model import build_model, initializer, loss_fn
+from common.reference import make_optimizer
+from common.training import Strategy
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own part of a DTensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def padded_numel(p: torch.Tensor, n: int) -> int:
+    """FSDP2 pads dim 0 to a multiple of n."""
+    rows = p.shape[0] if p.dim() else 1
+    return -(-rows // n) * n * (p.numel() // max(rows, 1))
+
+
+def fully_shard_llama(model: nn.Module, device: torch.device, reshard: bool,
+                      param_dtype: torch.dtype | None = None) -> nn.Module:
+    """torch's FSDP2 with our units: each block, then the root, which stays gathered from forward
+    to backward as ours; `param_dtype` bf16 → MixedPrecisionPolicy(bf16, reduce fp32)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype,
+                                  reduce_dtype=torch.float32 if param_dtype is not None else None)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    return model
+
+
+class TorchFSDP2Strategy(Strategy):
+    """`train.py --impl torch-fsdp2`: torch's fully_shard under the shared Strategy interface."""
+
+    def __init__(self, args: argparse.Namespace, ctx: DistContext, grad_accum: int = 1):
+        self.args, self.mixed, self.grad_accum = args, args.mixed_precision == "bf16", grad_accum
+        model = build_model(model_config(args), dtype=DTYPES[args.dtype], device="meta")
+        self.sizes = ([[padded_numel(p, ctx.world_size) for p in b.parameters()] for b in model.layers],
+                      [padded_numel(p, ctx.world_size) for n, p in model.named_parameters()
+                       if not n.startswith("layers.")])
+        fully_shard_llama(model, ctx.device, args.sharding_strategy == "FULL_SHARD",
+                          torch.bfloat16 if self.mixed else None)
+        model.to_empty(device=ctx.device)  # this rank's dim-0 chunk of each parameter, uninitialized
+        init = initializer(model_config(args), args.seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                chunks = init(name).chunk(ctx.world_size)  # FSDP2's layout: torch.chunk on dim 0
+                if ctx.rank < len(chunks):
+                    p.to_local().copy_(chunks[ctx.rank])
+        self.model = model
+        self.optimizer = make_optimizer(model.parameters(), args.optimizer, args.lr)
+        self.name, self.mesh = f"torch-fsdp2-{args.sharding_strategy.lower()}", {"dp": ctx.world_size}
+        self.dp_rank, self.dp_size = ctx.rank, ctx.world_size
+
+    def forward_backward(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        losses = []
+        for i, tokens in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            self.model.set_requires_gradient_sync(last or not self.args.no_sync)
+            inputs, targets = split_inputs_targets(tokens)
+            loss = loss_fn(self.model(inputs), targets) / len(micro_batches)
+            loss.backward()
+            losses.append(loss.detach())  # no .item(): a host sync per micro-batch
+        return torch.stack(losses).sum(dtype=torch.float64)
+
+    def step(self) -> None:
+        if self.args.clip_grad is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip_grad, foreach=False)
+        self.optimizer.step()
+
+    def _full(self, grads: bool) -> dict[str, torch.Tensor] | None:
+        out = {n: (p.grad if grads else p).full_tensor().detach() for n, p in self.model.named_parameters()}
+        return out if dist.get_rank() == 0 else None
+
+    def full_gradients(self) -> dict[str, torch.Tensor] | None:
+        return self._full(grads=True)
+
+    def full_parameters(self) -> dict[str, torch.Tensor] | None:
+        return self._full(grads=False)
+
+    def memory(self) -> dict[str, int]:
+        params = [local(p) for p in self.model.parameters()]
+        return {"params": storage_bytes(params),
+                "grads": storage_bytes(local(p.grad) for p in self.model.parameters() if p.grad is not None),
+                "optimizer": storage_bytes(local(t) for t in optimizer_state_tensors(self.optimizer))}
+
+    def activation_meter(self) -> ActivationMeter:
+        return ActivationMeter(local(p) for p in self.model.parameters())
+
+    def formulas(self, steps: int) -> tuple[float, dict[str, float]]:
+        """Our FSDP's formulas with FSDP2's per-parameter dim-0 padding: the root gathered once
+        per micro-batch, each block twice (FULL_SHARD) or once (SHARD_GRAD_OP), one reduce-
+        scatter per micro-batch; the state is each parameter's padded 1/N shard. Clipping's norm
+        all-reduce runs through DTensor's functional collectives, which the meter does not see,
+        so it is not counted here either."""
+        n = self.dp_size
+        blocks, root = self.sizes
+        accum = self.grad_accum
+        b_param = 2 if self.mixed else DTYPES[self.args.dtype].itemsize
+        b_reduce = 4 if self.mixed else b_param
+        b = DTYPES[self.args.dtype].itemsize
+        total = sum(map(sum, blocks)) + sum(root)
+        per_block = 2 if self.args.sharding_strategy == "FULL_SHARD" else 1
+        gathers = sum(root) + sum(map(sum, blocks)) * per_block
+        reduces = 1 if self.args.no_sync else accum
+        comm = steps * (n - 1) / n * (accum * gathers * b_param + reduces * total * b_reduce)
+        shard = total // n * b
+        opt = 2 * shard + 4 * len(list(self.model.parameters())) if self.args.optimizer == "adamw" else 0
+        return comm, {"params": shard, "grads": shard, "optimizer": opt}
+
+    def report_extras(self) -> dict:
+        return {"impl": "torch-fsdp2", "torch": torch.__version__,
+                "sharding_strategy": self.args.sharding_strategy}

@@ -1,0 +1,19 @@
+"""Sharded checkpoints of the 3D trainer (the lesson is README.md in this folder).
+
+Core files (import only torch):
+    reshard.py        Region: which elements of a global tensor a local tensor holds; copy_overlap
+    save.py           Shard, save_checkpoint: the on-disk format, dedup of replicas, atomic commit
+    load.py           load_checkpoint (any mesh), read_full, verify_checkpoint, resolve_checkpoint
+    state.py          optimizer state sliced like its parameter, param-group state, RNG capture
+    shard_layout.py   the region of each LLaMA tensor a rank of a dp × pp × tp mesh holds
+
+Uses common/: trainer.py (save/load Parallel3DStrategy, the --checkpoint-dir/--resume flags),
+export.py (`python -m parallel3d.checkpoint.export DIR --out FILE [--hf]`).
+"""
+
+from .load import load_checkpoint, read_full, resolve_checkpoint, verify_checkpoint
+from .reshard import Region, copy_overlap
+from .save import CheckpointError, Shard, save_checkpoint
+
+__all__ = ["CheckpointError", "Region", "Shard", "copy_overlap", "load_checkpoint", "read_full",
+           "resolve_checkpoint", "save_checkpoint", "verify_checkpoint"]
