@@ -35,17 +35,17 @@ torch.set_num_threads(1)
 BUDGET_S: dict[str, tuple[tuple[str, ...], float]] = {
     "common, model, harness, loop": (("test_common.py", "test_model.py", "test_harness.py",
                                       "test_gpu_check.py", "test_training_loop.py",
-                                      "test_construction.py"), 75),
-    "01 data parallel": (("test_data_parallel*.py", "test_ddp_mechanics.py"), 80),
-    "02 ring all-reduce": (("test_ring_allreduce*.py",), 95),
-    "03 ZeRO": (("test_zero*.py",), 70),
-    "04 FSDP": (("test_fsdp*.py",), 50),
-    "05 tensor parallel": (("test_tensor_parallel*.py",), 50),
-    "06 pipeline": (("test_pipeline*.py", "test_p2p_plan.py"), 75),
-    "07 3D": (("test_3d*.py", "test_parallel3d*.py"), 75),
-    "checkpoints": (("test_checkpoint*.py",), 70),
-    "lesson notebooks": (("test_notebooks.py",), 185),
-    "benches exit": (("test_benches.py",), 75),
+                                      "test_construction.py"), 53),
+    "01 data parallel": (("test_data_parallel*.py", "test_ddp_mechanics.py"), 68),
+    "02 ring all-reduce": (("test_ring_allreduce*.py",), 100),
+    "03 ZeRO": (("test_zero*.py",), 62),
+    "04 FSDP": (("test_fsdp*.py",), 32),
+    "05 tensor parallel": (("test_tensor_parallel*.py",), 43),
+    "06 pipeline": (("test_pipeline*.py", "test_p2p_plan.py"), 52),
+    "07 3D": (("test_3d*.py", "test_parallel3d*.py"), 155),
+    "checkpoints": (("test_checkpoint*.py",), 80),
+    "lesson notebooks": (("test_notebooks.py",), 188),
+    "benches exit": (("test_benches.py",), 67),
 }
 _seconds: dict[str, float] = defaultdict(float)
 

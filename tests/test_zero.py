@@ -109,6 +109,29 @@ def test_zero_bf16_mixed_precision_equals_mixed_precision_reference(pools, stage
                    copy_back_checked, stage, offload)
 
 
+def masters_differing_from_the_init(spec: TrainSpec) -> dict[tuple[int, bool], list[str]]:
+    """(stage, offload) → names whose gathered fp32 master, right after construction, is not
+    bitwise the fp32 init."""
+    init = dict(build_model(spec.cfg, spec.seed, torch.float32).named_parameters())
+    out = {}
+    for stage in range(4):
+        for offloaded in (False, True):
+            masters = zero_strategy(spec, stage, offloaded, 50, 40).engine.full_parameters()
+            out[stage, offloaded] = [n for n, p in init.items()
+                                     if not torch.equal(masters[n].cpu(), p.detach())]
+    return out
+
+
+def test_bf16_masters_start_bitwise_equal_to_the_fp32_init(pools):
+    """In bf16 the fp32 master is a separate copy cut from the init at each shard's offset; in
+    float32/float64 the master *is* the shard, so only this catches a master-shard offset bug
+    exactly (it once surfaced only as a bf16 crash). Stages 0–3, offload or not, world 3 (the
+    last shard is padded)."""
+    spec = with_spec(OFFLOADED_TWO_STEPS, world_size=3, global_batch=3, mixed_precision="bf16")
+    for differing in pools.run(3, masters_differing_from_the_init, spec):
+        assert differing == {(stage, o): [] for stage in range(4) for o in (False, True)}
+
+
 # --- negative controls: the same check must reject a broken engine ----------------------------
 class PartialNormClipping(ZeroEngine):
     """Each rank clips by the norm of its own shard only: the classic sharded-clipping bug."""
