@@ -469,7 +469,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _slice_of(g: FlatGroup, by_param: Mapping[nn.Parameter, dict], key: str) -> torch.Tensor:
         """This rank's slice of the flat layout of every parameter's `by_param[p][key]`."""
         values = [by_param[p][key] for p in g.params]
-        flat = torch.zeros(g.padded, dtype=values[0].dtype)
+        flat = torch.zeros(g.padded, dtype=values[0].dtype, device=values[0].device)
         for p, off, v in zip(g.params, g.offsets, values, strict=True):
             flat[off : off + p.numel()] = v.reshape(-1)
         return flat[g.start : g.start + g.shard_size].clone()
