@@ -17,12 +17,13 @@ endif
 CHAPTERS := 1 2 3 4 5 6 7
 RUNS     := $(addprefix run-,$(CHAPTERS))
 BENCHES  := $(addprefix bench-,$(CHAPTERS))
-.PHONY: setup test test-thorough lint notebooks lab bench gpu-check clean help $(RUNS) $(BENCHES)
+.PHONY: setup test test-thorough lint notebooks lab bench bench-5-cp gpu-check clean help $(RUNS) $(BENCHES)
 
 help:
 	@echo "make test            create .venv, install, run the equivalence suite (CI runs this)"
 	@echo "make run-N           launch chapter N with torchrun (NPROC=…, ARGS=\"--steps 50 …\")"
 	@echo "make bench-N         chapter N's benchmark against torch's built-in equivalent"
+	@echo "make bench-5-cp      context parallelism: ring attention vs the all-gather variant"
 	@echo "make test-thorough   the suite with many hypothesis examples"
 	@echo "make notebooks       execute every lesson.ipynb in place"
 	@echo "make lab             install JupyterLab into the venv (the 'lab' extra) and open the lessons"
@@ -76,6 +77,11 @@ $(BENCHES): bench-%: $(SETUP)
 bench: $(SETUP)
 	@for d in 0*_*/; do n=$${d%%_*}; n=$${n#0}; \
 	  if [ -f "$$d/bench.py" ]; then $(MAKE) --no-print-directory bench-$$n PY=$(PY) || exit 1; fi; done
+	@$(MAKE) --no-print-directory bench-5-cp PY=$(PY)
+
+bench-5-cp: $(SETUP)
+	@n="$(NPROC)"; [ -n "$$n" ] || n=$$($(PY) -m common.dist --nproc 5); \
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node $$n 05_tensor_parallel/bench_context_parallel.py $(ARGS)
 
 gpu-check: $(SETUP)
 	$(PY) -m common.gpu_check

@@ -71,8 +71,9 @@ def paper_table(psi: float, n: int, b_param: int = 2, b_grad: int = 2, k: float 
 
 
 def article_estimate(psi: float = 7e9, n: int = 8, activations_gb: float = 30.0) -> dict[str, float]:
-    """The source article's shortcut: fp16 weights 2Ψ, "Adam keeps m and v: ×3 the weights" = 6Ψ
-    for the optimizer, no gradients, activations ≈ 30 GB: 14 + 42 + 30 ≈ 86 GB for 7B; its ZeRO-3
+    """The source article's arithmetic as printed (read in 01's README, "The article's 42 GB"):
+    fp16 weights 2Ψ + its 42 GB (weights + m + v, "×3 the weights" = 6Ψ) + activations ≈ 30 GB:
+    14 + 42 + 30 ≈ 86 GB for 7B (weights twice, no gradients: the slips cancel); its ZeRO-3
     figure on 8 GPUs, ≈ 11 GB, is that total divided by 8 (activations too: each GPU takes 1/8 of
     the batch)."""
     out = {"weights": 2 * psi / GB, "optimizer": 6 * psi / GB, "activations": activations_gb}

@@ -35,9 +35,9 @@ def clean_name(name: str) -> str:
 class ShardedStateMixin:
     """Methods of the root FullyShardedDataParallel over all of its units' flat parameters."""
 
-    def handles(self) -> list[FlatParamHandle]:
-        """The flat-parameter handle of every unit that has parameters (root first); internal:
-        `shard_layout()` is the public description."""
+    def _handles(self) -> list[FlatParamHandle]:
+        """The flat-parameter handle of every unit that has parameters (root first); private:
+        `shard_layout()` is the public description of what a rank holds."""
         return [u._handle for u in self.units() if u._handle is not None]
 
     def shard_layout(self) -> list[UnitShard]:
@@ -62,7 +62,7 @@ class ShardedStateMixin:
         """torch's clip_grad_norm_ over the whole (sharded) model: total = ||all grads||, each
         element counted once (shards are summed over the group; NO_SHARD grads are replicated);
         grads *= min(1, max_norm / (total + 1e-6)). Returns the total norm (collective)."""
-        flats = [h.flat_param for h in self.handles()]
+        flats = [h.flat_param for h in self._handles()]
         sharded = self.sharding_strategy != ShardingStrategy.NO_SHARD
         return clip_grad_norm_([p.grad for p in flats], max_norm, norm_type=norm_type,
                                groups=(self.process_group or dist.group.WORLD,) if sharded else (),
@@ -71,7 +71,7 @@ class ShardedStateMixin:
     def _gather_named(self, tensor_of: Callable[[UnitShard], torch.Tensor | None],
                       rank0_only: bool) -> dict[str, torch.Tensor] | None:
         out: dict[str, torch.Tensor] = {}
-        for unit, h in zip(self.shard_layout(), self.handles(), strict=True):
+        for unit, h in zip(self.shard_layout(), self._handles(), strict=True):
             full = h.gather(tensor_of(unit))
             pieces = full[: unit.numel].split([p.shape.numel() for p in unit.params])
             out.update({p.name: t.view(p.shape).clone() for p, t in zip(unit.params, pieces, strict=True)})

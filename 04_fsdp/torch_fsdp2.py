@@ -10,9 +10,11 @@ to that padding, which the formulas below count:
 
     padded(p) = ⌈rows/N⌉·N · numel/rows        comm/step = (N-1)/N · (gathers·b_param + reduces·b_reduce)
 
-On torch 2.6-2.8 with gloo, FSDP2's reduce-scatter asks for ReduceOp.AVG, which gloo silently
-computes as a SUM: gradients come out N× too large — a loss curve under AdamW barely shows it,
-`--check`'s gradient comparison does.
+FSDP2 picks its reduce op by dtype: float64 reduces with SUM and divides by N itself; float32 and
+bf16 ask for ReduceOp.AVG. On torch 2.13 gloo computes that AVG correctly (checked: the gradient
+norm matches one device); DESIGN.md's pitfall (gloo on torch 2.5-2.8 returns the SUM for an AVG
+reduce-scatter) is why the course's own code never uses AVG, and `--check`'s gradient comparison
+is what would show it (a loss curve under AdamW barely does).
 """
 
 from __future__ import annotations

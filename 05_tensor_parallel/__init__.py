@@ -47,9 +47,31 @@ Sharding description (sharding.py), for gathering, checkpoints and clipping:
         copies): pass those grads as common.clip.clip_grad_norm_'s `counted`, groups=(tp_group,)
 
 Formulas (formulas.py): activation bytes per layer (itemized, this LLaMA, t, SP) and
-communication per block.
+communication per block; cp_comm_bytes / cp_activation_bytes for context parallelism.
+
+Context parallelism (context_parallel.py), the sequence split over a CP `group` for attention too:
+    zigzag_positions(seq_len, cp, rank) / contiguous_positions / sequence_positions(..., layout)
+    shard_sequence(x, cp, rank, dim=1, layout="zigzag") / unshard_sequence(pieces, dim, layout)
+    ring_attention(q, k, v, group, causal=True, layout="zigzag")      q [B,H,t,d], k/v [B,H_kv,t,d]
+    all_gather_attention(q, k, v, group, causal=True, layout="zigzag")
+    apply_context_parallel(module, group, variant="ring", layout="zigzag")   every Attention.attend
+    check_cp_sizes(seq_len, cp, layout)  ValueError;  attention_work / load_balance;  ring_plan
 """
 
+from .context_parallel import (
+    all_gather_attention,
+    apply_context_parallel,
+    attention_work,
+    check_cp_sizes,
+    contiguous_positions,
+    load_balance,
+    ring_attention,
+    ring_plan,
+    sequence_positions,
+    shard_sequence,
+    unshard_sequence,
+    zigzag_positions,
+)
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import ColumnParallelLinear, RowParallelLinear, SequenceParallelRMSNorm, VocabParallelEmbedding
 from .mappings import (
@@ -86,12 +108,18 @@ __all__ = [
     "SequenceParallelRMSNorm",
     "TPShard",
     "VocabParallelEmbedding",
+    "all_gather_attention",
+    "apply_context_parallel",
+    "attention_work",
+    "check_cp_sizes",
     "check_tp_sizes",
+    "contiguous_positions",
     "copy_to_tp_region",
     "gather_from_sequence_parallel_region",
     "gather_from_tp_region",
     "gather_full",
     "gather_tensor",
+    "load_balance",
     "local_piece",
     "parallelize_attention",
     "parallelize_block",
@@ -102,9 +130,15 @@ __all__ = [
     "parallelize_llama",
     "reduce_from_tp_region",
     "reduce_scatter_to_sequence_parallel_region",
+    "ring_attention",
+    "ring_plan",
     "scatter_to_sequence_parallel_region",
     "scatter_to_tp_region",
+    "sequence_positions",
+    "shard_sequence",
     "tp_shard_specs",
+    "unshard_sequence",
     "vocab_parallel_cross_entropy",
     "vocab_parallel_loss",
+    "zigzag_positions",
 ]

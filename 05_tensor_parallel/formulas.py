@@ -141,3 +141,48 @@ def step_comm_bytes(x: Shape, micro_batches: int, dp: int = 1, reduce_bytes: int
     data_parallel = 2 * (dp - 1) / dp * elements * (reduce_bytes or x.e)
     clip_bytes = 8 if (reduce_bytes or x.e) == 8 else 4  # common.clip: the norm in float64, else float32
     return micro_batches * per_micro + data_parallel + (ar * clip_bytes if clip else 0)
+
+
+# --- context parallelism (context_parallel.py) --------------------------------------------------
+#
+# A K/V block is one rank's keys and values: 2·b·H_kv·(s/cp)·d elements (H_kv: the K/V heads this
+# rank holds, n_kv/t under TP). dK/dV travel in float32 or better (e_grad = max(e, 4)).
+#
+#     ring:       forward (cp-1) K/V blocks; backward (cp-1) K/V blocks + (cp-1) dK/dV blocks
+#     all-gather: (cp-1)/cp of the whole K/V forward; (cp-1)/cp of the whole dK/dV backward
+
+
+def cp_comm_bytes(b: int, s: int, kv_heads: int, head_dim: int, cp: int, e: int,
+                  variant: str = "ring") -> dict[str, float]:
+    """Wire bytes one rank sends for one attention layer's forward + backward (one micro-batch)."""
+    if cp == 1:
+        return {}
+    block, grad_e = 2 * b * kv_heads * (s // cp) * head_dim, max(e, 4)
+    if variant == "ring":
+        return {"forward K/V": (cp - 1) * block * e, "backward K/V": (cp - 1) * block * e,
+                "backward dK/dV": (cp - 1) * block * grad_e}
+    return {"all-gather K/V": (cp - 1) * block * e, "reduce-scatter dK/dV": (cp - 1) * block * grad_e}
+
+
+def cp_activation_bytes(b: int, s: int, heads: int, kv_heads: int, head_dim: int, cp: int, e: int,
+                        variant: str = "ring") -> float:
+    """Bytes the CP attention of one layer saves for backward on one rank (t = s/cp tokens, c =
+    the compute bytes max(e, 4)): q (b·H·t·d·c), the output (b·H·t·d·e), the log-sum-exp
+    (b·H·t·c) and the K/V block (2·b·H_kv·t·d·e; all-gather: every rank's, cp times that).
+    In place of formulas' three attention terms; falls as 1/cp (all-gather: not its K/V)."""
+    t, c = s // cp, max(e, 4)
+    kv = 2 * b * kv_heads * t * head_dim * e * (cp if variant == "all_gather" else 1)
+    return b * heads * t * head_dim * (c + e) + b * heads * t * c + kv
+
+
+SDPA_TERMS = ("q, k, v after RoPE + GQA repeat", "attention output", "attention log-sum-exp")
+
+
+def cp_model_activation_terms(x: Shape, cp: int, variant: str = "ring") -> dict[str, float]:
+    """model_activation_terms of one CP rank (x.s: its s/cp tokens), each block's three SDPA
+    terms replaced by the CP attention's saved bytes (`cp_activation_bytes`)."""
+    layer = layer_activation_terms(x)
+    kv = x.kv // x.t if x.kv >= x.t else 1  # the K/V heads one TP rank holds
+    attention = cp_activation_bytes(x.b, x.s * cp, x.a // x.t, kv, x.head_dim, cp, x.e, variant)
+    block = sum(v for k, v in layer.items() if k not in SDPA_TERMS) + attention
+    return model_activation_terms(x) | {"blocks": x.L * block}

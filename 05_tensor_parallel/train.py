@@ -2,11 +2,16 @@
 
     torchrun --standalone --nproc-per-node 4 05_tensor_parallel/train.py --tp 4 --check
     make run-5 ARGS="--tp 2 --sequence-parallel --dtype float64 --check"     (dp = 4 / 2 = 2)
+    make run-5 ARGS="--tp 2 --cp 2 --sequence-parallel --dtype float64 --check"   (dp = 1)
 
-The world is cut into dp = world / tp replicas of tp consecutive ranks (TP innermost, like
-Megatron: one node's NVLink domain). The ranks of one TP group take the same rows of the batch
-and hold 1/tp of every block; across the replicas gradients are averaged (SUM, then / dp). The
-report prints the comm and activation formulas of formulas.py beside the measurements.
+The world is tp × cp × dp ranks, TP innermost (consecutive ranks, like Megatron: one node's
+NVLink domain), then context parallelism, then the dp replicas. The ranks of one TP group take
+the same rows and tokens and hold 1/tp of every block; the cp CP groups of a replica take the
+same rows, each its zig-zag chunks of the sequence (RoPE at their global positions; under SP the
+split into tp pieces happens inside those s/cp tokens), attending over the whole sequence by ring
+attention. CP ranks hold the same parameters, so gradients are averaged over dp × cp (SUM, then
+/ (dp·cp)): each rank's loss is the mean over its tokens, and their mean the global-token mean.
+The report prints the comm and activation formulas of formulas.py beside the measurements.
 """
 
 from __future__ import annotations
@@ -35,15 +40,23 @@ from common.model import build_model, initializer, materialize
 from common.reference import make_optimizer
 from common.training import Strategy, run_main
 from tensor_parallel import (
+    apply_context_parallel,
+    check_cp_sizes,
     check_tp_sizes,
     gather_full,
+    load_balance,
     local_piece,
     parallelize_llama,
+    shard_sequence,
     vocab_parallel_loss,
+    zigzag_positions,
 )
 from tensor_parallel.formulas import (
     Shape,
     block_comm_bytes,
+    cp_activation_bytes,
+    cp_comm_bytes,
+    cp_model_activation_terms,
     layer_activation_bytes,
     local_parameter_count,
     model_activation_bytes,
@@ -58,38 +71,56 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tensor-parallel size (default: every rank); dp = world / tp")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="shard the norm/residual regions along the sequence (Korthikanti et al. 2022)")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel size: each rank holds s/cp tokens (zig-zag), ring attention")
     return p.parse_args(argv)
 
 
 def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
     """Everything that can be wrong with the input, checked before any collective."""
     validate_common(args)
-    tp = world_size if args.tp is None else args.tp
+    cp = args.cp
+    require(cp >= 1, f"--cp {cp}: must be >= 1")
+    require(world_size % cp == 0, f"--cp {cp} does not divide the world of {world_size} ranks "
+                                  f"(world = tp × cp × dp): use a divisor of {world_size}")
+    tp = world_size // cp if args.tp is None else args.tp
     require(tp >= 1, f"--tp {tp}: must be >= 1")
-    require(tp <= world_size, f"--tp {tp} is larger than the world of {world_size} ranks: use "
-                              f"--tp {world_size} or launch {tp} ranks (NPROC={tp})")
-    require(world_size % tp == 0, f"--tp {tp} does not divide the world of {world_size} ranks: "
-                                  f"dp = world / tp must be whole; use a divisor of {world_size}")
+    sizes, over = (f"--tp {tp}", "tp") if cp == 1 else (f"--tp {tp} × --cp {cp}", "(tp·cp)")
+    require(tp * cp <= world_size, f"{sizes} is larger than the world of {world_size} ranks: use "
+                                   f"--tp {world_size // cp} or launch {tp * cp} ranks (NPROC={tp * cp})")
+    require(world_size % (tp * cp) == 0, f"{sizes} does not divide the world of {world_size} ranks: "
+                                         f"dp = world / {over} must be whole; use a divisor of {world_size}")
     cfg = model_config(args)
     try:
-        check_tp_sizes(tp, cfg.n_heads, cfg.n_kv_heads, cfg.hidden_dim, args.seq_len,
+        check_cp_sizes(args.seq_len, cp)
+    except ValueError as error:
+        raise ConfigError(f"--cp {cp} with --seq-len {args.seq_len}: {error}") from None
+    try:
+        check_tp_sizes(tp, cfg.n_heads, cfg.n_kv_heads, cfg.hidden_dim, args.seq_len // cp,
                        args.sequence_parallel)
     except ValueError as error:
-        raise ConfigError(f"--tp {tp} with --model {args.model}: {error}") from None
-    return batch_layout(args.global_batch, world_size // tp, args.micro_batch, args.grad_accum)
+        within = f" (the {args.seq_len // cp} tokens of a CP rank)" if cp > 1 else ""
+        raise ConfigError(f"--tp {tp} with --model {args.model}: {error}{within}") from None
+    return batch_layout(args.global_batch, world_size // (tp * cp), args.micro_batch, args.grad_accum)
 
 
-def tp_dp_groups(rank: int, world: int, tp: int):
-    """(this rank's TP group, its DP group): TP = consecutive ranks, DP = the same TP index in
-    every replica. Every rank creates every group, in the same order (new_group is collective)."""
-    tp_group = dp_group = None
-    for d in range(world // tp):
-        group = dist.new_group(list(range(d * tp, (d + 1) * tp)))
-        tp_group = group if rank // tp == d else tp_group
+def mesh_groups(rank: int, world: int, tp: int, cp: int = 1):
+    """(TP group, CP group, gradient group) of this rank, rank = (d·cp + c)·tp + i: TP =
+    consecutive ranks, CP = the same replica d and TP index i, gradients = the same TP index i
+    over dp × cp. Every rank creates every group, in the same order (new_group is collective)."""
+    tp_group = cp_group = grad_group = None
+    for start in range(0, world, tp):
+        group = dist.new_group(list(range(start, start + tp)))
+        tp_group = group if rank // tp == start // tp else tp_group
+    for d in range(world // (tp * cp)):
+        for i in range(tp):
+            ranks = [(d * cp + c) * tp + i for c in range(cp)]
+            group = dist.new_group(ranks)
+            cp_group = group if rank in ranks else cp_group
     for i in range(tp):
         group = dist.new_group(list(range(i, world, tp)))
-        dp_group = group if rank % tp == i else dp_group
-    return tp_group, dp_group
+        grad_group = group if rank % tp == i else grad_group
+    return tp_group, cp_group, grad_group
 
 
 class TensorParallelStrategy(Strategy):
@@ -99,14 +130,19 @@ class TensorParallelStrategy(Strategy):
 
     def __init__(self, args: argparse.Namespace, ctx: DistContext, layout: BatchLayout):
         cfg, self.mixed = model_config(args), args.mixed_precision == "bf16"
-        self.tp = ctx.world_size if args.tp is None else args.tp
-        self.dp_size, self.dp_rank = ctx.world_size // self.tp, ctx.rank // self.tp
-        self.tp_group, self.dp_group = tp_dp_groups(ctx.rank, ctx.world_size, self.tp)
+        self.cp = getattr(args, "cp", 1)
+        self.tp = ctx.world_size // self.cp if args.tp is None else args.tp
+        self.dp_size, self.dp_rank = ctx.world_size // (self.tp * self.cp), ctx.rank // (self.tp * self.cp)
+        self.cp_rank = ctx.rank // self.tp % self.cp
+        groups = mesh_groups(ctx.rank, ctx.world_size, self.tp, self.cp)
+        self.tp_group, self.cp_group, self.grad_group = groups
         self.sequence_parallel = args.sequence_parallel
         # split the model on the meta device, then draw only this rank's slices onto its device
         self.model = build_model(cfg, dtype=torch.float32 if self.mixed else DTYPES[args.dtype],
                                  device="meta")
         self.specs = parallelize_llama(self.model, self.tp_group, self.sequence_parallel)
+        if self.cp > 1:
+            apply_context_parallel(self.model, self.cp_group)
         materialize(self.model, initializer(cfg, args.seed), ctx.device,
                     lambda name, full: local_piece(full, self.specs[name]))
         self.names = [n for n, _ in self.model.named_parameters()]
@@ -115,27 +151,34 @@ class TensorParallelStrategy(Strategy):
             self.model.to(torch.bfloat16)  # in place: the masters keep the fp32 values
         self.optimizer = make_optimizer(self.weights.master, args.optimizer, args.lr)
         self.optimizer_name, self.clip_grad = args.optimizer, args.clip_grad
-        self.name = "tp+sp" if self.sequence_parallel else "tp"
-        self.mesh = {"dp": self.dp_size, "tp": self.tp}
+        self.name = ("tp+sp" if self.sequence_parallel else "tp") + ("+cp" if self.cp > 1 else "")
+        self.mesh = {"dp": self.dp_size, "cp": self.cp, "tp": self.tp} if self.cp > 1 else {
+            "dp": self.dp_size, "tp": self.tp}
+        self.seq_len = args.seq_len
         e = self.model.output.weight.itemsize
-        self.shape = Shape(layout.micro_batch, args.seq_len, cfg.dim, cfg.n_heads, cfg.n_kv_heads,
+        self.shape = Shape(layout.micro_batch, args.seq_len // self.cp, cfg.dim, cfg.n_heads, cfg.n_kv_heads,
                            cfg.hidden_dim, cfg.n_layers, cfg.vocab_size, cfg.head_dim, self.tp,
                            self.sequence_parallel, e)
         self.grad_accum, self.reduce_itemsize = layout.grad_accum, (4 if self.mixed else e)
 
     def forward_backward(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         losses = []
+        positions = None
         for tokens in micro_batches:
             inputs, targets = split_inputs_targets(tokens)
-            loss = vocab_parallel_loss(self.model.output, self.model(inputs), targets) / len(micro_batches)
+            if self.cp > 1:  # this CP rank's zig-zag tokens; RoPE at their global positions
+                inputs, targets = (shard_sequence(x, self.cp, self.cp_rank) for x in (inputs, targets))
+                positions = zigzag_positions(self.seq_len, self.cp, self.cp_rank, inputs.device)
+            logits = self.model(inputs, positions)
+            loss = vocab_parallel_loss(self.model.output, logits, targets) / len(micro_batches)
             loss.backward()
             losses.append(loss.detach())  # no .item(): a host sync per micro-batch
             self.weights.grads_to_master(accumulate=True)  # fp32 sum, as the reference casts
-        if self.dp_size > 1:  # SUM over the replicas, then / dp (never ReduceOp.AVG)
+        if self.dp_size * self.cp > 1:  # SUM over dp × cp, then / (dp·cp) (never ReduceOp.AVG)
             grads = [m.grad for m in self.weights.master]
             flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.dp_group)
-            flat.div_(self.dp_size)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.grad_group)
+            flat.div_(self.dp_size * self.cp)
             for g, chunk in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
                 g.copy_(chunk.view_as(g))
         return torch.stack(losses).sum(dtype=torch.float64)
@@ -145,7 +188,7 @@ class TensorParallelStrategy(Strategy):
 
     def step(self) -> None:
         """Clip by the norm of the full model: summed over the TP group, each piece counted on one
-        of its copies; the DP replicas hold the same averaged gradients, so no sum over DP."""
+        of its copies; the DP and CP ranks hold the same averaged gradients, so no sum over them."""
         if self.clip_grad is not None:
             grads = self._named(True)
             counted = [g for n, g in grads.items() if self.specs[n].counted_here]
@@ -170,23 +213,44 @@ class TensorParallelStrategy(Strategy):
                 "optimizer": storage_bytes([*optimizer_state_tensors(self.optimizer), *extra])}
 
     def formulas(self, steps: int) -> tuple[float, dict[str, float]]:
-        """Per rank: formulas.step_comm_bytes per step; params P_local·e, grads P_local·e_reduce,
-        AdamW m, v (2·P_local·4 or ·e) + 4 B per tensor, + the fp32 master in mixed precision;
-        activations: formulas.model_activation_bytes (one micro-batch: backward only frees)."""
+        """Per rank: formulas.step_comm_bytes per step (on the s/cp local tokens, gradients over
+        dp·cp) + the ring's cp_comm_bytes per layer per micro-batch; params P_local·e, grads
+        P_local·e_reduce, AdamW m, v (2·P_local·4 or ·e) + 4 B per tensor, + the fp32 master in
+        mixed precision; activations: formulas.model_activation_bytes (one micro-batch: backward
+        only frees), its attention terms replaced by cp_activation_bytes under CP."""
+        self.steps_run = steps  # report_extras' CP row covers the same steps
         P, n_tensors = local_parameter_count(self.shape)
         e, master = self.shape.e, self.weights.master[0].itemsize
         opt = 2 * P * master + 4 * n_tensors if self.optimizer_name == "adamw" else 0
         opt += P * master if self.mixed else 0
-        comm = steps * step_comm_bytes(self.shape, self.grad_accum, self.dp_size, self.reduce_itemsize,
-                                       self.clip_grad is not None)
-        return comm, {"params": P * e, "grads": P * self.reduce_itemsize, "optimizer": opt,
-                      "activations_peak": model_activation_bytes(self.shape)}
+        comm = steps * step_comm_bytes(self.shape, self.grad_accum, self.dp_size * self.cp,
+                                       self.reduce_itemsize, self.clip_grad is not None)
+        activations = (sum(cp_model_activation_terms(self.shape, self.cp).values()) if self.cp > 1
+                       else model_activation_bytes(self.shape))
+        return comm + self._cp_bytes(steps), {"params": P * e, "grads": P * self.reduce_itemsize,
+                                              "optimizer": opt, "activations_peak": activations}
+
+    def _cp_bytes(self, steps: int) -> float:
+        """The ring's K/V and dK/dV messages per rank over `steps` steps (every layer, micro-batch)."""
+        x = self.shape
+        kv = x.kv // x.t if x.kv >= x.t else 1
+        layer = cp_comm_bytes(x.b, self.seq_len, kv, x.head_dim, self.cp, x.e)
+        return steps * self.grad_accum * x.L * sum(layer.values())
 
     def report_extras(self) -> dict:
-        return {"tp": self.tp, "sequence_parallel": self.sequence_parallel,
-                "activation_per_layer_formula": layer_activation_bytes(self.shape),
-                "activation_terms": model_activation_terms(self.shape),
-                "comm_per_block_formula": block_comm_bytes(self.shape)}
+        extras = {"tp": self.tp, "sequence_parallel": self.sequence_parallel,
+                  "activation_per_layer_formula": layer_activation_bytes(self.shape),
+                  "activation_terms": model_activation_terms(self.shape),
+                  "comm_per_block_formula": block_comm_bytes(self.shape)}
+        if self.cp > 1:
+            x = self.shape
+            kv = x.kv // x.t if x.kv >= x.t else 1
+            extras |= {"cp": self.cp, "cp_comm_bytes_formula": self._cp_bytes(self.steps_run),
+                       "cp_load_balance": load_balance(self.seq_len, self.cp),
+                       "activation_terms": cp_model_activation_terms(x, self.cp),
+                       "cp_attention_activation_per_layer_formula": cp_activation_bytes(
+                           x.b, self.seq_len, x.a // x.t, kv, x.head_dim, self.cp, x.e)}
+        return extras
 
 
 def build(args: argparse.Namespace, ctx: DistContext, layout: BatchLayout) -> Strategy:

@@ -8,7 +8,7 @@ rank 0's chunk c+1).
 
     GPipe         F0 F1 … F(m-1)  B0 B1 … B(m-1)            holds m micro-batches' activations
     1F1B          (p-r-1) warm-up F, then F/B alternating, then the remaining B   holds ≤ p - r
-    interleaved   Megatron's order over v chunks per rank (m divisible by p)       bubble / v
+    interleaved   Megatron's order over v chunks per rank (m divisible by p)       bubble ≈ / v
     ZB-H1         1F1B with B split into B (input grad, on the critical path) and W (weight
                   grad, deferred into the bubbles); activations freed after W: ≤ p per rank
 

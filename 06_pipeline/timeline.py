@@ -77,11 +77,15 @@ def render_text(intervals: list[Interval], width: int | None = None, p: int | No
 
 
 COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
+LEGEND = {"F": "F forward", "B": "B backward", "W": "W weight grad"}
 
 
-def plot(intervals: list[Interval], ax, p: int | None = None, title: str = "", unit: str = "s") -> None:
-    """Draw one timeline on a matplotlib axis: a bar per action, one lane per rank (rank 0 on
-    top), lighter shades for later chunks."""
+def plot(intervals: list[Interval], ax, p: int | None = None, title: str = "") -> None:
+    """Draw one timeline on a matplotlib axis: a bar per action (labelled with its micro-batch), one
+    lane per rank (rank 0 on top), lighter shades for later chunks, a legend of the kinds drawn.
+    The x axis is in seconds for a measured run, in time units (a stage's forward = 1) for unit costs."""
+    from matplotlib.patches import Patch
+
     p = p or 1 + max(i.rank for i in intervals)
     origin = min(i.start for i in intervals)
     for i in intervals:
@@ -92,13 +96,21 @@ def plot(intervals: list[Interval], ax, p: int | None = None, title: str = "", u
         if float(i.end - i.start) > 0:
             ax.text(float(i.start - origin + (i.end - i.start) / 2), i.rank, str(i.action.microbatch),
                     ha="center", va="center", fontsize=6, color="white")
+    kinds = {i.action.kind for i in intervals}
+    split = "W" in kinds
+    handles = [Patch(color=COLORS[k], label="B input grad" if k == "B" and split else LEGEND[k])
+               for k in "FBW" if k in kinds]
+    if any(getattr(i.action, "chunk", 0) for i in intervals):
+        handles.append(Patch(color=COLORS["F"], alpha=0.65, label="lighter: chunk 1"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
+    unit_costs = all(isinstance(i.end - i.start, Fraction) for i in intervals)
     ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
     ax.invert_yaxis()
-    ax.set_xlabel(unit)
+    ax.set_xlabel("time units (a whole stage's forward = 1)" if unit_costs else "s")
     ax.set_title(f"{title}  bubble {measured_bubble(intervals, p):.3f}", fontsize=9)
 
 
-def save_png(timelines: dict[str, list[Interval]], path: str, unit: str = "s") -> None:
+def save_png(timelines: dict[str, list[Interval]], path: str) -> None:
     """One panel per named timeline, stacked, into a PNG (matplotlib is imported here only)."""
     import matplotlib
 
@@ -108,7 +120,7 @@ def save_png(timelines: dict[str, list[Interval]], path: str, unit: str = "s") -
     fig, axes = plt.subplots(len(timelines), 1, figsize=(11, 1.2 + 0.9 * len(timelines) * 2),
                              squeeze=False)
     for ax, (name, intervals) in zip(axes[:, 0], timelines.items(), strict=True):
-        plot(intervals, ax, title=name, unit=unit)
+        plot(intervals, ax, title=name)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

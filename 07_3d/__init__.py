@@ -2,14 +2,16 @@
 
 The trainer (use 04–06 and common/):
     parallelize.py     parallelize_3d(model, mesh, config, device) -> (chunks, tp_specs): the recipe,
-                       apply_pipeline_split → apply_tensor_parallel → apply_recompute → apply_fsdp
+                       apply_pipeline_split → apply_tensor_parallel → apply_context_parallel
+                       (cp > 1) → apply_recompute → apply_fsdp (over the DP × CP group)
     train.py           Parallel3DStrategy on the shared loop; flags and validation
     comm_formulas.py   the trainer's exact bytes per step
 
 Core files (import only torch):
-    mesh.py            mesh_shape(world, tp, pp, dp=None) -> (dp, pp, tp) or MeshError;
-                       group_ranks(dp, pp, tp); init_device_mesh(tp, pp, dp) -> DeviceMesh3D
-                       (TP innermost, then DP, PP outermost; .tp_group/.dp_group/.pp_group)
+    mesh.py            mesh_shape(world, tp, pp, dp=None, cp=1) -> (dp, pp, cp, tp) or MeshError;
+                       group_ranks(dp, pp, tp, cp=1); init_device_mesh(tp, pp, dp, cp=cp) ->
+                       DeviceMesh3D (TP innermost, then CP, DP, PP outermost; .tp_group/.cp_group/
+                       .dp_group/.dp_cp_group (FSDP's)/.pp_group)
     recompute.py       apply_recompute(blocks, "none" | "full" | "selective"), CheckpointWrapper
     lr_schedule.py     warmup_cosine(step, total, warmup, min_ratio), warmup_cosine_scheduler
 

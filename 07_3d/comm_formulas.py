@@ -3,11 +3,17 @@ position and its schedule's action list (nccl-tests conventions: all-reduce 2(n-
 all-gather / reduce-scatter (n-1)/n·S, send S).
 
 TP (t ranks), per micro-batch: chapter 05's `microbatch_comm_bytes` for the chunk's blocks, its
-    embedding (first stage) and head + vocab-parallel loss (last stage), plus what recomputation
-    reruns: the forward collectives up to the last saved tensor, per block, a = b·s·h·e:
-    full +1 all-reduce (SP: +2 all-gathers +1 reduce-scatter), selective +0 (SP: +1 all-gather)
-PP: one message [b, s(/t under SP), h] per F of a stage < S-1 and per B of a stage > 0.
-DP (FSDP, d ranks), per unit with P_u TP-local parameters padded to d·⌈P_u/d⌉:
+    embedding (first stage) and head + vocab-parallel loss (last stage), on the s/c tokens of a
+    CP rank, plus what recomputation reruns: the forward collectives up to the last saved tensor,
+    per block, a = b·(s/c)·h·e:
+    full +1 all-reduce (SP: +2 all-gathers +1 reduce-scatter), selective (core attention) +0
+CP (c ranks), per block per micro-batch: chapter 05's `cp_comm_bytes` of the ring with this
+    rank's K/V heads (n_kv/t, at least 1): (c-1) K/V blocks [2, b, kv, s/c, head_dim] forward,
+    (c-1) K/V and (c-1) dK/dV blocks backward, + the forward's again when recomputation reruns
+    the attention (full or selective)
+PP: one message [b, s/c (/t under SP), h] per F of a stage < S-1 and per B of a stage > 0.
+DP (FSDP over the dp·c ranks of a (pp, tp) position, d = dp·c), per unit with P_u TP-local
+    parameters padded to d·⌈P_u/d⌉:
     all-gather (d-1)/d·P_u·b_param at each unshard: FULL_SHARD blocks twice per micro-batch
     (forward, backward); a root unit and SHARD_GRAD_OP blocks once per stretch of forwards and
     once per backward that follows a backward (each backward frees every unit at its end);
@@ -21,12 +27,12 @@ import math
 
 import torch
 
-from tensor_parallel.formulas import Shape, microbatch_comm_bytes
+from tensor_parallel.formulas import Shape, cp_comm_bytes, microbatch_comm_bytes
 
 # Forward collectives a recomputed block runs again, (all-gathers or f's, reduce-scatters or g's).
 # Non-reentrant torch.utils.checkpoint stops recomputing once every saved tensor is back, so the
 # region's last row-parallel reduction (its output is not saved) is not rerun.
-RECOMPUTED = {"none": (0, 0), "selective": (1, 0), "full": (2, 1)}
+RECOMPUTED = {"none": (0, 0), "selective": (0, 0), "full": (2, 1)}
 
 
 def ring(n: int, factor: float = 1.0) -> float:
@@ -43,6 +49,26 @@ def tp_bytes_per_microbatch(cfg, t: int, b: int, s: int, e: int, sp: bool, recom
     a = b * s * cfg.dim * e
     rerun = (ring(t, gathers) + ring(t, reductions)) * a if sp else reductions * ring(t, 2) * a
     return microbatch_comm_bytes(x, embedding=first, head=last) + n_blocks * rerun
+
+
+def cp_bytes_per_microbatch(cfg, t: int, c: int, b: int, s: int, e: int, recompute: str,
+                            n_blocks: int) -> float:
+    """Wire bytes of one micro-batch's forward + backward through a chunk's ring attentions."""
+    if c == 1:
+        return 0.0
+    terms = cp_comm_bytes(b, s, max(1, cfg.n_kv_heads // t), cfg.head_dim, c, e)
+    rerun = terms["forward K/V"] if recompute in ("full", "selective") else 0.0
+    return n_blocks * (sum(terms.values()) + rerun)
+
+
+def cp_bytes_per_step(strategy, steps: int) -> float:
+    """Per rank over `steps` steps: the CP ring's point-to-point sends, every micro-batch through
+    every block of this rank's chunks."""
+    mesh, args = strategy.mesh3d, strategy.args
+    blocks = sum(len(chunk.module.layers) for chunk in strategy.chunks)
+    return steps * strategy.schedule.m * cp_bytes_per_microbatch(
+        strategy.cfg, mesh.tp, mesh.cp, strategy.layout.micro_batch, args.seq_len,
+        strategy.compute_dtype.itemsize, args.activation_checkpointing, blocks)
 
 
 def fsdp_gathers(actions, root: bool, full_shard: bool, backward: str = "B",
@@ -63,9 +89,10 @@ def fsdp_gathers(actions, root: bool, full_shard: bool, backward: str = "B",
 
 
 def comm_bytes_per_step(strategy, steps: int) -> float:
-    """Per rank over `steps` steps: TP + PP + FSDP + clipping (see the module doc)."""
+    """Per rank over `steps` steps: TP + CP + PP + FSDP + clipping (see the module doc)."""
     args, cfg, sched, mesh = strategy.args, strategy.cfg, strategy.schedule, strategy.mesh3d
-    t, d, rank = mesh.tp, mesh.dp, mesh.pp_rank
+    t, cp, d, rank = mesh.tp, mesh.cp, mesh.dp * mesh.cp, mesh.pp_rank
+    s = args.seq_len // cp
     b, e = strategy.layout.micro_batch, strategy.compute_dtype.itemsize
     total = 0.0
     actions = sched.actions[rank]
@@ -73,9 +100,8 @@ def comm_bytes_per_step(strategy, steps: int) -> float:
         stage = sched.stage(rank, c)
         mine = [a for a in actions if a.chunk == c]
         n_blocks = len(chunk.module.layers)
-        per_mb = tp_bytes_per_microbatch(cfg, t, b, args.seq_len, e, strategy.sp,
-                                         args.activation_checkpointing, n_blocks, stage == 0,
-                                         stage == sched.n_stages - 1)
+        per_mb = tp_bytes_per_microbatch(cfg, t, b, s, e, strategy.sp, args.activation_checkpointing,
+                                         n_blocks, stage == 0, stage == sched.n_stages - 1)
         total += sched.m * per_mb
         backwards = sum(a.kind == "B" for a in mine)  # = W's under ZB: one reduction each
         backward = "W" if sched.split_backward and stage == 0 else "B"
@@ -88,10 +114,11 @@ def comm_bytes_per_step(strategy, steps: int) -> float:
                 total += backwards * ring(d) * unit.padded_numel * unit.reduce_dtype.itemsize
             elif d > 1:
                 total += backwards * ring(d, 2) * unit.padded_numel * unit.reduce_dtype.itemsize
+    total += cp_bytes_per_step(strategy, 1)
     message = math.prod(strategy.activation_shape) * e
     total += message * sum(sched.send(rank, a) is not None for a in actions)
     if strategy.clip_grad is not None:
-        world = mesh.dp * mesh.pp * mesh.tp
+        world = mesh.size
         sq_bytes = 8 if strategy.unit_shards[0].flat_param.dtype == torch.float64 else 4
         total += ring(world, 2) * sq_bytes
     return steps * total

@@ -1,20 +1,30 @@
-"""Per-GPU memory and communication of one 3D layout (tp, pp, dp, ZeRO level, micro-batch), in
+"""Per-GPU memory and communication of one layout (tp, cp, pp, dp, ZeRO level, micro-batch), in
 closed form: the planner's arithmetic, and the formulas the 3D trainer prints beside its ledger.
 
 Model states of the parameters ψ a GPU holds (its pipeline stage, TP-sharded):
 
     weights ψ·w / (dp if ZeRO-3)    grads ψ·g / (dp if ZeRO ≥ 2)    optimizer ψ·o / (dp if ZeRO ≥ 1)
 
-with bytes per parameter (w, g, o) = (2, 2, 4) in the source article's arithmetic (fp16 weights,
-gradients and Adam m, v: 7B → 14 + 14 + 28 GB), (2, 2, 12) in the mixed-precision recipe of the
+with bytes per parameter (w, g, o) = (2, 2, 4) in chapter 01's 8-byte reinterpretation of the
+source article's budget (fp16 weights, gradients and Adam m, v: 7B → 14 + 14 + 28 GB; the
+article's own words are read in 01_data_parallel/README.md), (2, 2, 12) in the mixed-precision recipe of the
 ZeRO paper (bf16 weights and grads, fp32 master + m + v), (4, 4, 8) in plain fp32.
 
 Activations saved for backward per block are chapter 05's itemized count (tensor_parallel.formulas:
 e·(10h + 4F) + 4·a bytes per token without TP; TP splits the attention and MLP tensors, SP also
-the norms' inputs and products); full recomputation keeps only the block input h, selective drops
-the attention sub-layer's q, k, v, output and log-sum-exp. A pipeline stage holds them for the
+the norms' inputs and products); full recomputation keeps only the block input h, selective (the
+core attention rerun) keeps q, k, v before the GQA repeat and drops the log-sum-exp (and eager
+attention's scores). A pipeline stage holds them for the
 micro-batches in flight (1F1B: p - i on stage i), the last stage the head's too. The 3D trainer's
 measured ledger checks these per rank (`tests/test_3d_planner.py`).
+
+Context parallelism (cp ranks share each sequence, s/cp tokens each; ring attention) divides every
+one of those terms by cp: each is linear in the tokens a rank holds (flash attention keeps no
+s×s scores). Eager attention's scores, a·s² per sequence, fall by cp too, not cp²: a local query
+still meets all s keys, (s/cp)·s per head. (Chapter 05's ring saves q in float32 and K/V before
+the GQA repeat, `cp_activation_bytes`: within 3% of a TP 8 block's count at these shapes, 8% at
+TP 1.) The parameters are replicated over cp, so ZeRO/FSDP shard over dp·cp and the gradients
+are reduced over dp·cp; ring attention's bytes are `ring_bytes`.
 """
 
 from __future__ import annotations
@@ -45,16 +55,23 @@ class Layout:
     virtual_stages: int = 1     # interleaved 1F1B when > 1
     recompute: str = "none"     # none | selective | full
     sequence_parallel: bool = True
+    cp: int = 1                 # context parallel: ranks sharing each sequence (mesh tp, cp, dp, pp)
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def shards(self) -> int:
+        """Ranks holding the same parameters, over which ZeRO/FSDP shard and gradients reduce."""
+        return self.dp * self.cp
 
     def describe(self) -> str:
         zero = "FSDP" if self.zero == 3 else (f"ZeRO-{self.zero}" if self.zero else "DDP")
         v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
-        return f"TP {self.tp} × PP {self.pp}{v} × DP {self.dp} ({zero}), mb {self.micro_batch}, " \
-               f"AC {self.recompute}"
+        cp = f" × CP {self.cp}" if self.cp > 1 else ""
+        return f"TP {self.tp}{cp} × PP {self.pp}{v} × DP {self.dp} ({zero}), " \
+               f"mb {self.micro_batch}, AC {self.recompute}"
 
 
 def layer_parameters(cfg: LlamaConfig) -> tuple[int, int]:
@@ -84,6 +101,7 @@ def stage_units(cfg: LlamaConfig, tp: int, pp: int) -> tuple[tuple[int, ...], ..
     return tuple(units)
 
 
+@cache
 def parameters_per_gpu(cfg: LlamaConfig, tp: int, pp: int) -> int:
     """ψ: parameters on the GPU of the heaviest stage."""
     return max(sum(u) for u in stage_units(cfg, tp, pp))
@@ -105,9 +123,9 @@ def state_bytes(units: tuple[int, ...], dp: int, zero: int, precision: str) -> d
             "optimizer": o * (sharded if zero >= 1 else whole) + 4 * len(units)}
 
 
-# What selective recomputation reruns instead of saving: the attention sub-layer's own tensors
-# (chapter 05's names for them; its input, the norm output, stays saved for the MLP's reader).
-ATTENTION_TERMS = ("q, k, v after RoPE + GQA repeat", "attention output", "attention log-sum-exp")
+# What the core attention saves beyond its output (chapter 05's names): selective recomputation
+# keeps its inputs q, k, v instead (k, v before the GQA repeat) and reruns it.
+CORE_ATTENTION_TERMS = ("q, k, v after RoPE + GQA repeat", "attention log-sum-exp")
 HEAD_TERMS = ("final norm x, x·r, r", "head input (norm output, whole sequence)",
               "loss: softmax over the local vocab, target ids, in-range mask")
 
@@ -122,29 +140,34 @@ def tp_shape(cfg: LlamaConfig, tokens: int, seq_len: int, tp: int, sequence_para
                  sequence_parallel=sequence_parallel, e=elem)
 
 
+@cache
 def layer_activation_bytes(cfg: LlamaConfig, tokens: int, seq_len: int, tp: int = 1,
                            sequence_parallel: bool = False, recompute: str = "none",
-                           elem: int = 2, eager_attention: bool = False) -> float:
-    """Bytes one block saves for backward for `tokens` tokens on one TP rank: chapter 05's
-    itemized count (`tensor_parallel.formulas`), less the attention sub-layer's terms under
-    selective recomputation (which under SP also keeps the sub-layer's input as the s/t slice it
-    gathers from), only the block input (h/t under SP) under full; eager attention adds the
-    scores and the softmax, 2·a·s·e/t per token."""
+                           elem: int = 2, eager_attention: bool = False, cp: int = 1) -> float:
+    """Bytes one block saves for backward for `tokens` tokens on one TP rank (sequences of
+    `seq_len`, s/cp of each on this rank): chapter 05's itemized count
+    (`tensor_parallel.formulas`); under selective recomputation the core attention keeps only
+    its inputs q (h/t) and k, v (n_kv/t heads each, at least one) per token; only the block
+    input (h/t under SP) under full; eager attention adds the scores and the softmax, 2·a·s·e/t
+    per token (every local query meets all s keys), which selective drops."""
     if recompute == "full":
         return tokens * elem * cfg.dim / (tp if sequence_parallel else 1)
-    terms = layer_activation_terms(tp_shape(cfg, tokens, seq_len, tp, sequence_parallel, elem))
-    if recompute == "selective":  # under SP its input is kept as this rank's s/t slice
-        gathered_input = tokens * elem * cfg.dim * (1 - 1 / tp) if sequence_parallel else 0.0
-        return sum(v for k, v in terms.items() if k not in ATTENTION_TERMS) - gathered_input
+    terms = layer_activation_terms(tp_shape(cfg, tokens, seq_len // cp, tp, sequence_parallel,
+                                            elem))
+    if recompute == "selective":
+        inputs = tokens * elem * (cfg.dim / tp + 2 * max(cfg.n_kv_heads // tp, 1) * cfg.head_dim)
+        return sum(v for k, v in terms.items() if k not in CORE_ATTENTION_TERMS) + inputs
     scores = tokens * 2 * cfg.n_heads * seq_len / tp * elem if eager_attention else 0.0
     return sum(terms.values()) + scores
 
 
+@cache
 def head_activation_bytes(cfg: LlamaConfig, tokens: int, seq_len: int, tp: int = 1,
-                          sequence_parallel: bool = False, elem: int = 2) -> float:
+                          sequence_parallel: bool = False, elem: int = 2, cp: int = 1) -> float:
     """The last stage's final norm, head input and log-softmax over the local vocabulary
     (float32 or wider), chapter 05's terms: ≈ tokens·(3h·e + 4·V/t)."""
-    terms = model_activation_terms(tp_shape(cfg, tokens, seq_len, tp, sequence_parallel, elem))
+    terms = model_activation_terms(tp_shape(cfg, tokens, seq_len // cp, tp, sequence_parallel,
+                                            elem))
     return sum(terms[k] for k in HEAD_TERMS)
 
 
@@ -161,16 +184,24 @@ def in_flight_microbatches(pp: int, microbatches: int, virtual_stages: int = 1,
     return min(microbatches, pp - stage)
 
 
+def local_tokens(layout: Layout, seq_len: int) -> int:
+    """Tokens of one micro-batch on one rank: mb sequences, s/cp tokens of each."""
+    if seq_len % layout.cp:
+        raise ValueError(f"seq_len {seq_len} does not split over cp {layout.cp}")
+    return layout.micro_batch * seq_len // layout.cp
+
+
 def activation_bytes(cfg: LlamaConfig, layout: Layout, seq_len: int, microbatches: int,
                      elem: int = 2, eager_attention: bool = False, stage: int = 0) -> float:
     """Peak saved activations (what a saved-tensor ledger sees) on the GPU of pipeline stage
     `stage`: its blocks × the micro-batches it holds, the last stage's head for each of those."""
-    tokens = layout.micro_batch * seq_len
+    tokens = local_tokens(layout, seq_len)
     per_layer = layer_activation_bytes(cfg, tokens, seq_len, layout.tp, layout.sequence_parallel,
-                                       layout.recompute, elem, eager_attention)
+                                       layout.recompute, elem, eager_attention, layout.cp)
     one = stage_layers(cfg.n_layers, layout.pp)[stage] * per_layer
     if stage == layout.pp - 1:
-        one += head_activation_bytes(cfg, tokens, seq_len, layout.tp, layout.sequence_parallel, elem)
+        one += head_activation_bytes(cfg, tokens, seq_len, layout.tp, layout.sequence_parallel,
+                                     elem, layout.cp)
     return one * in_flight_microbatches(layout.pp, microbatches, layout.virtual_stages, stage=stage)
 
 
@@ -180,8 +211,8 @@ def recompute_transient_bytes(cfg: LlamaConfig, layout: Layout, seq_len: int, el
     own frame: a saved-tensor ledger does not see them), zero without recomputation."""
     if layout.recompute == "none":
         return 0.0
-    return layer_activation_bytes(cfg, layout.micro_batch * seq_len, seq_len, layout.tp,
-                                  layout.sequence_parallel, "none", elem, eager_attention)
+    return layer_activation_bytes(cfg, local_tokens(layout, seq_len), seq_len, layout.tp,
+                                  layout.sequence_parallel, "none", elem, eager_attention, layout.cp)
 
 
 def memory_per_gpu(cfg: LlamaConfig, layout: Layout, seq_len: int, microbatches: int,
@@ -196,8 +227,8 @@ def memory_per_gpu(cfg: LlamaConfig, layout: Layout, seq_len: int, microbatches:
         return max((memory_per_gpu(cfg, layout, seq_len, microbatches, precision, eager_attention, i)
                     for i in stages), key=lambda mem: mem["total"])
     units = stage_units(cfg, layout.tp, layout.pp)[stage]
-    out = state_bytes(units, layout.dp, layout.zero, precision)
-    if layout.zero >= 3 and layout.dp > 1:
+    out = state_bytes(units, layout.shards, layout.zero, precision)
+    if layout.zero >= 3 and layout.shards > 1:
         split, replicated = layer_parameters(cfg)
         out["weights"] += 2 * (split / layout.tp + replicated) * PRECISIONS[precision][0]
     elem = ACT_BYTES[precision]
@@ -208,29 +239,45 @@ def memory_per_gpu(cfg: LlamaConfig, layout: Layout, seq_len: int, microbatches:
     return out
 
 
+def ring_bytes(cfg: LlamaConfig, layout: Layout, seq_len: int, elem: int) -> dict[str, float]:
+    """Bytes one CP rank sends per block and micro-batch in each pass of ring attention (chapter
+    05's `cp_comm_bytes`): cp - 1 K/V blocks of 2·mb·(kv/t)·(s/cp)·head_dim elements (GQA's
+    smaller K/V) forward; backward the K/V again and the dK/dV accumulators home, in float32 or
+    wider; recomputation (full or selective: both rerun attention) one more forward pass."""
+    if layout.cp == 1:
+        return {"forward": 0.0, "backward": 0.0, "recompute": 0.0}
+    block = 2 * local_tokens(layout, seq_len) * cfg.n_kv_heads / layout.tp * cfg.head_dim
+    forward = (layout.cp - 1) * block * elem
+    return {"forward": forward, "backward": forward + (layout.cp - 1) * block * max(elem, 4),
+            "recompute": forward if layout.recompute != "none" else 0.0}
+
+
 def comm_bytes_per_gpu(cfg: LlamaConfig, layout: Layout, seq_len: int,
                        microbatches: int, precision: str = "mixed") -> dict[str, float]:
     """Bytes one GPU puts on the wire per optimizer step (nccl-tests conventions), per dimension.
 
     TP: 4 all-reduces (or all-gather + reduce-scatter pairs under SP: the same bytes) of the
-        [b, s, h] activations per block per micro-batch, 2(t-1)/t each; full recompute adds 2.
+        [b, s/cp, h] activations per block per micro-batch, 2(t-1)/t each; full recompute adds 2.
+    CP: ring attention's K/V blocks and dK/dV home, `ring_bytes` per block per micro-batch.
     PP: one activation forward and one gradient backward per micro-batch (interior stages).
     DP: all-reduce of the gradients 2(d-1)/d·ψ·g (DDP), or reduce-scatter of the gradients and
         all-gather of the updated weights. Sharded gradients (ZeRO-2, ZeRO-3) cannot accumulate
         over the m micro-batches of a step, so each micro-batch reduce-scatters its own (DeepSpeed
         refuses ZeRO-2 under a pipeline for this; Megatron's distributed optimizer is ZeRO-1):
         ZeRO-1 (g + w), ZeRO-2 (m·g + w), ZeRO-3 m·(2w + g) (a gather in forward and in backward
-        of every micro-batch), each × (d-1)/d·ψ."""
+        of every micro-batch), each × (d-1)/d·ψ, with d = dp·cp (CP ranks hold the same
+        parameters)."""
     w, g, _ = PRECISIONS[precision]
     elem = ACT_BYTES[precision]
-    t, p, d, m = layout.tp, layout.pp, layout.dp, microbatches
-    act = layout.micro_batch * seq_len * cfg.dim * elem
+    t, p, d, m = layout.tp, layout.pp, layout.shards, microbatches
+    act = local_tokens(layout, seq_len) * cfg.dim * elem
     layers = math.ceil(cfg.n_layers / p)
     collectives = 4 + (2 if layout.recompute == "full" else 0)
     tp_bytes = collectives * layers * m * act * 2 * (t - 1) / t if t > 1 else 0.0
+    cp_bytes = layers * m * sum(ring_bytes(cfg, layout, seq_len, elem).values())
     pp_bytes = 2 * m * act if p > 1 else 0.0
     psi = parameters_per_gpu(cfg, t, p)
     ring = (d - 1) / d if d > 1 else 0.0
     per_element = {0: 2 * g, 1: g + w, 2: m * g + w, 3: m * (2 * w + g)}[layout.zero]
     dp_bytes = per_element * ring * psi
-    return {"tp": tp_bytes, "pp": pp_bytes, "dp": dp_bytes}
+    return {"tp": tp_bytes, "cp": cp_bytes, "pp": pp_bytes, "dp": dp_bytes}

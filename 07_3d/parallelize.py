@@ -1,8 +1,13 @@
-"""The 3D recipe: one rank's part of LLaMA in four steps, each from its chapter, in torchtitan's
-order (`parallelize_llama`): split into pipeline stages, tensor-parallelize, recompute, FSDP-wrap.
+"""The 3D recipe: one rank's part of LLaMA in five steps, each from its chapter, in torchtitan's
+order (`parallelize_llama`): split into pipeline stages, tensor-parallelize, context-parallelize,
+recompute, FSDP-wrap.
 
     model (meta) → this rank's v chunks (06) → TP pieces over the TP group (05)
-                 → blocks wrapped for recomputation (07) → flat shards over the DP group (04)
+                 → attention over the CP ring (05, cp > 1) → blocks wrapped for recomputation (07)
+                 → flat shards over the DP × CP group (04: the CP ranks hold the same parameters)
+
+Under CP a rank holds the zig-zag chunks cp_rank and 2·cp−1−cp_rank of each sequence (s/cp
+tokens), so its RoPE tables are taken at those global positions.
 
 Nothing is drawn before the last step: each FSDP unit generates, from the seed, the full tensors
 that overlap this rank's shard, cuts their TP piece and keeps its 1/dp. `config`: the trainer's
@@ -30,7 +35,9 @@ from tensor_parallel import (
     parallelize_embedding,
     parallelize_head,
     tp_shard_specs,
+    zigzag_positions,
 )
+from tensor_parallel import apply_context_parallel as context_parallel
 
 
 def parallelize_3d(model: Llama, mesh: DeviceMesh3D, config: argparse.Namespace,
@@ -38,6 +45,8 @@ def parallelize_3d(model: Llama, mesh: DeviceMesh3D, config: argparse.Namespace,
     """This rank's FSDP-wrapped chunks, and the TPShard of every reference parameter they hold."""
     chunks = apply_pipeline_split(model, mesh, config)
     tp_specs = apply_tensor_parallel(chunks, mesh.tp_group, config.sequence_parallel)
+    if mesh.cp > 1:
+        apply_context_parallel(chunks, mesh.cp_group)
     for chunk in chunks:
         apply_recompute(chunk.layers, config.activation_checkpointing)
     init = initializer(model.cfg, config.seed)
@@ -46,14 +55,26 @@ def parallelize_3d(model: Llama, mesh: DeviceMesh3D, config: argparse.Namespace,
 
 def apply_pipeline_split(model: Llama, mesh: DeviceMesh3D, config: argparse.Namespace) -> list[PipelineStage]:
     """06: this rank's stages pp_rank, pp + pp_rank, … of the S = pp·v."""
-    rope = partial(sequence_rope, model.cfg, mesh.tp if config.sequence_parallel else 1)
+    rope = partial(sequence_rope, model.cfg, mesh.tp if config.sequence_parallel else 1, mesh.cp,
+                   mesh.cp_rank)
     v = virtual_stages(config.schedule, config.virtual_stages)
     return split_model(model, mesh.pp, v, mesh.pp_rank, rope=rope)
 
 
-def sequence_rope(cfg, tp: int, positions: torch.Tensor, dtype: torch.dtype):
-    """RoPE's cos/sin when activations carry s/tp tokens (SP): attention sees all s positions."""
-    return rope_cos_sin(cfg, torch.arange(positions.numel() * tp, device=positions.device), dtype)
+def sequence_rope(cfg, tp: int, cp: int, cp_rank: int, positions: torch.Tensor, dtype: torch.dtype):
+    """RoPE's cos/sin for the s/cp tokens attention sees when activations carry s/(cp·tp) (SP):
+    the global positions of this CP rank's zig-zag chunks (0 … s−1 when cp = 1)."""
+    local = positions.numel() * tp
+    if cp == 1:
+        return rope_cos_sin(cfg, torch.arange(local, device=positions.device), dtype)
+    return rope_cos_sin(cfg, zigzag_positions(local * cp, cp, cp_rank, device=positions.device), dtype)
+
+
+def apply_context_parallel(chunks: list[PipelineStage], group) -> None:
+    """05: every attention of every chunk attends over the CP ring (K/V blocks passed around
+    `group`), on this rank's zig-zag chunks of the sequence."""
+    for chunk in chunks:
+        context_parallel(chunk, group)
 
 
 def apply_tensor_parallel(chunks: list[PipelineStage], group, sp: bool) -> dict[str, TPShard]:
@@ -70,7 +91,8 @@ def apply_tensor_parallel(chunks: list[PipelineStage], group, sp: bool) -> dict[
 def apply_fsdp(chunks: list[PipelineStage], mesh: DeviceMesh3D, config: argparse.Namespace,
                tp_specs: dict[str, TPShard], init, device: torch.device) -> list[FSDP]:
     """04: one unit per block (its recompute wrapper under full recomputation), the rest of the
-    chunk as the root unit; each unit draws only the TP pieces that overlap this rank's shard."""
+    chunk as the root unit, sharded over the DP × CP group (gradients averaged over its dp·cp
+    ranks); each unit draws only the TP pieces that overlap this rank's shard."""
     unit = CheckpointWrapper if config.activation_checkpointing == "full" else TransformerBlock
     bf16 = config.mixed_precision == "bf16"
     mp = MixedPrecision(torch.bfloat16, torch.float32, torch.bfloat16) if bf16 else None
@@ -79,6 +101,6 @@ def apply_fsdp(chunks: list[PipelineStage], mesh: DeviceMesh3D, config: argparse
     def tp_piece(name: str, _) -> torch.Tensor:
         return local_piece(init(unwrapped_name(name)), tp_specs[unwrapped_name(name)])
 
-    return [FSDP(c, process_group=mesh.dp_group, sharding_strategy=sharding, mixed_precision=mp,
+    return [FSDP(c, process_group=mesh.dp_cp_group, sharding_strategy=sharding, mixed_precision=mp,
                  auto_wrap_policy=ModuleWrapPolicy({unit}), device_id=device, param_init_fn=tp_piece)
             for c in chunks]

@@ -1,41 +1,50 @@
-"""Plan a 3D layout: which (TP, PP, DP, ZeRO level, micro-batch, recompute) fits a model on G GPUs
+"""Plan a layout: which (TP, CP, PP, DP, ZeRO level, micro-batch, recompute) fits a model on G GPUs
 of M GB, what each GPU holds, what it sends, and which one to pick.
 
     python -m parallel3d.planner --model llama2-70b --gpus 64 --gpu-mem-gb 80
+    python -m parallel3d.planner --model llama3.1-405b --gpus 16384 --seq-len 131072 \
+        --global-batch 128                     # long context: where CP becomes necessary
     python -m parallel3d.planner --article      # the source article's numbers and table
 
 Every candidate is priced by `memory_model` (per-GPU bytes) and a step-time model:
 
-    t_step = C·(1 + (p-1)/(v·m)) + T_tp + T_pp + max(0, T_dp - C)
+    t_step = C·(1 + (p-1)/(v·m)) + T_tp + T_cp + T_pp + max(0, T_dp - C)
     C      = (6·N + 12·L·h·s)·tokens·(1 + recompute) / (G · peak · efficiency)
 
 the compute C stretched by the pipeline bubble (m micro-batches per replica, v virtual stages),
-plus the TP collectives on NVLink (on the critical path), the PP sends, and the data-parallel
+plus the TP collectives on NVLink (on the critical path), ring attention's K/V transfers beyond
+the attention compute they overlap (T_cp), the PP sends, and the data-parallel
 traffic beyond what hides behind compute (α·2(d-1) latency per ring collective included). With
-the mesh order TP, DP, PP a DP group spans t·d consecutive GPUs: inside a node it runs on NVLink,
+the mesh order TP, CP, DP, PP a CP group spans t·cp consecutive GPUs and a DP group (gradients
+reduced over dp·cp: CP ranks hold the same parameters) t·cp·dp: inside a node it runs on NVLink,
 inside a pod on the full network, beyond it at 1/7 of that (the oversubscribed aggregation layer
 of Llama 3's cluster, the reason its DP groups are kept small). TP stays inside a node (the
 article's rule: TP needs NVLink). The recommendation is the simplest candidate within 5% of the
-fastest that fits in `headroom`·M (`recommend`); where its pipeline depth is not one the
-article's table names, `why_not` prices the article's depth beside it, term by term.
+fastest that fits in `headroom`·M (`recommend`), CP counting as the least simple: the rule of
+thumb, CP only when one sequence's activations outgrow a GPU (or it is more than 5% faster);
+where its pipeline depth is not one the article's table names, `why_not` prices the article's
+depth beside it, term by term.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 from dataclasses import dataclass, field
 
 from common.model import CONFIGS, LlamaConfig
 
 from .memory_model import (
+    ACT_BYTES,
     GB,
     PRECISIONS,
     Layout,
     comm_bytes_per_gpu,
-    layer_parameters,
+    local_tokens,
     memory_per_gpu,
     parameters_per_gpu,
+    ring_bytes,
     total_parameters,
 )
 
@@ -92,15 +101,13 @@ def model_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     return 6 * total_parameters(cfg) + 12 * cfg.n_layers * cfg.dim * seq_len
 
 
-def recompute_fraction(cfg: LlamaConfig, recompute: str) -> float:
+def recompute_fraction(cfg: LlamaConfig, recompute: str, seq_len: int) -> float:
     """Extra compute over forward+backward (= 3 forwards): a whole forward (1/3) for full
-    recompute, the attention sub-layer's share of it for selective."""
+    recompute; for selective the core attention's forward, QKᵀ and ·V: 4·L·h·s per token."""
     if recompute == "full":
         return 1 / 3
     if recompute == "selective":
-        split, _ = layer_parameters(cfg)
-        attn = cfg.dim * (2 * cfg.dim + 2 * cfg.n_kv_heads * cfg.head_dim)
-        return attn / split / 3
+        return 4 * cfg.n_layers * cfg.dim * seq_len / model_flops_per_token(cfg, seq_len)
     return 0.0
 
 
@@ -113,14 +120,26 @@ def price(cfg: LlamaConfig, layout: Layout, seq_len: int, global_batch: int, gpu
     comm = comm_bytes_per_gpu(cfg, layout, seq_len, m, precision)
     tokens = global_batch * seq_len
     flops = model_flops_per_token(cfg, seq_len) * tokens
-    compute = flops * (1 + recompute_fraction(cfg, layout.recompute)) / (
+    compute = flops * (1 + recompute_fraction(cfg, layout.recompute, seq_len)) / (
         layout.gpus * hw.peak_tflops * 1e12 * hw.efficiency)
     bubble = (layout.pp - 1) / (layout.virtual_stages * m)
-    d, t, p_ = layout.dp, layout.tp, layout.pp
-    dp_bw, pp_bw = hw.bandwidth(t * d), hw.bandwidth(layout.gpus)  # DP strides t, PP strides t·d
+    d, t, c, p_ = layout.shards, layout.tp, layout.cp, layout.pp
+    # DP (over dp·cp) strides t, CP strides t, PP strides t·cp·dp
+    dp_bw, cp_bw, pp_bw = hw.bandwidth(t * d), hw.bandwidth(t * c), hw.bandwidth(layout.gpus)
     ring = (d - 1) / d if d > 1 else 0.0
     alpha = 0.0 if t * d <= hw.gpus_per_node else 2 * (d - 1) * hw.latency_us * 1e-6
-    units = math.ceil(cfg.n_layers / p_) + 1  # one collective per block (+ embedding/head)
+    layers = math.ceil(cfg.n_layers / p_)
+    units = layers + 1  # one collective per block (+ embedding/head)
+    # Ring attention: each pass's transfer overlaps the causal attention of the blocks it carries
+    # (2·h·s FLOPs per local token forward, half of PaLM's 4·h·s: the blocks above the diagonal
+    # are skipped, split over t; backward twice that). Only a transfer that outlasts it is exposed.
+    hop = 0.0 if t * c <= hw.gpus_per_node else (c - 1) * hw.latency_us * 1e-6
+    attention = 2 * cfg.dim * seq_len * local_tokens(layout, seq_len) / t / (
+        hw.peak_tflops * 1e12 * hw.efficiency)
+    behind = {"forward": attention, "backward": 2 * attention, "recompute": attention}
+    cp_exposed = layers * m * sum(max(0.0, sent / cp_bw + hop - behind[k]) for k, sent in
+                                  ring_bytes(cfg, layout, seq_len, ACT_BYTES[precision]).items()
+                                  if sent)
     psi = comm["dp"] and parameters_per_gpu(cfg, t, p_)
     w, g, _ = PRECISIONS[precision]
     per_mb = compute / m
@@ -143,10 +162,11 @@ def price(cfg: LlamaConfig, layout: Layout, seq_len: int, global_batch: int, gpu
         "compute": compute * (1 + bubble),
         "bubble": compute * bubble,
         "tp": comm["tp"] / (hw.nvlink_gbps * GB),
+        "cp_exposed": cp_exposed,
         "pp": comm["pp"] / pp_bw,
         "dp_exposed": exposed,
     }
-    step = times["compute"] + times["tp"] + times["pp"] + exposed
+    step = times["compute"] + times["tp"] + times["cp_exposed"] + times["pp"] + exposed
     mfu = 6 * total_parameters(cfg) * tokens / (step * layout.gpus * hw.peak_tflops * 1e12)
     fits = memory["total"] <= headroom * gpu_mem_gb * GB
     return Plan(layout, m, memory, comm, step, mfu, fits, times)
@@ -156,30 +176,39 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(cfg: LlamaConfig, gpus: int, global_batch: int, hw: Hardware,
+def candidates(cfg: LlamaConfig, gpus: int, global_batch: int, hw: Hardware, seq_len: int,
                micro_batches=(1, 2, 4, 8), zero_levels=(0, 1, 2, 3),
-               recompute=("none", "selective", "full")) -> list[Layout]:
+               recompute=("none", "selective", "full"),
+               context_parallel=(1, 2, 4, 8, 16, 32)) -> list[Layout]:
     """Every layout the model and the cluster admit: TP inside a node dividing the heads, KV heads
     and vocabulary; PP at most one block per stage (uneven stages allowed, as Llama 3's 126
-    layers on 16 stages); the global batch divisible by dp·micro-batch; interleaving needs the
-    micro-batch count divisible by p."""
+    layers on 16 stages) and at least p micro-batches to fill them (fewer leave a bubble
+    (p-1)/m ≥ 1); CP whose 2·cp zig-zag chunks divide the sequence; the global batch divisible
+    by dp·micro-batch; interleaving needs the micro-batch count divisible by p."""
     out = []
     for tp in divisors(min(gpus, hw.gpus_per_node)):
         if cfg.n_heads % tp or cfg.n_kv_heads % tp or cfg.vocab_size % tp:
             continue
         for pp in divisors(gpus // tp):
-            if pp > cfg.n_layers or (gpus // tp) % pp:
+            if pp > cfg.n_layers:
                 continue
-            dp = gpus // (tp * pp)
-            for mb in micro_batches:
-                if global_batch % (dp * mb):
+            for cp in context_parallel:
+                if (gpus // (tp * pp)) % cp or (cp > 1 and seq_len % (2 * cp)):
                     continue
-                m = global_batch // (dp * mb)
-                vs = [1] + [v for v in (2, 4, 8) if pp > 1 and m % pp == 0 and pp * v <= cfg.n_layers]
-                for v in vs:
-                    for zero in zero_levels if dp > 1 else (0,):
-                        for ac in recompute:
-                            out.append(Layout(tp, pp, dp, zero, mb, v, ac, tp > 1))
+                dp = gpus // (tp * pp * cp)
+                for mb in micro_batches:
+                    if global_batch % (dp * mb):
+                        continue
+                    m = global_batch // (dp * mb)
+                    if m < pp:
+                        continue
+                    vs = [1] + [v for v in (2, 4, 8)
+                                if pp > 1 and m % pp == 0 and pp * v <= cfg.n_layers]
+                    for v, zero, ac in itertools.product(
+                            vs, zero_levels if dp * cp > 1 else (0,), recompute):
+                        out.append(Layout(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=mb,
+                                          virtual_stages=v, recompute=ac,
+                                          sequence_parallel=tp > 1, cp=cp))
     return out
 
 
@@ -190,23 +219,32 @@ def plan(cfg: LlamaConfig, gpus: int, gpu_mem_gb: float, seq_len: int, global_ba
     hw = hw or Hardware()
     plans = [price(cfg, layout, seq_len, global_batch, gpu_mem_gb, hw, precision, headroom,
                    eager_attention)
-             for layout in candidates(cfg, gpus, global_batch, hw)]
+             for layout in candidates(cfg, gpus, global_batch, hw, seq_len)]
     return sorted(plans, key=lambda p: (not p.fits, round(p.step_s, 3), p.memory["total"]))
 
 
 def complexity(layout: Layout) -> tuple:
-    """What a layout costs in engineering, least first: no pipeline, no interleaving, no
+    """What a layout costs in engineering, least first: no context parallelism (the rule of
+    thumb: only when a sequence's activations outgrow a GPU), no pipeline, no interleaving, no
     recomputation (it spends compute on memory: worth it only when nothing lighter fits), less
-    TP, fewer stages."""
+    TP, fewer stages, less CP."""
     ac = ("none", "selective", "full").index(layout.recompute)
-    return (layout.pp > 1, layout.virtual_stages > 1, ac, layout.tp, layout.pp)
+    return (layout.cp > 1, layout.pp > 1, layout.virtual_stages > 1, ac, layout.tp, layout.pp,
+            layout.cp)
 
 
 def recommend(plans: list[Plan], tolerance: float = 0.05) -> Plan | None:
     """The simplest fitting layout within `tolerance` of the fastest one's step time: a pipeline
     or a wider TP group must buy more than 5% to be worth its complexity; then the fastest, then
-    the smallest footprint (ZeRO-2 over ZeRO-1: the same bytes on the wire, less memory)."""
+    the smallest footprint (ZeRO-2 over ZeRO-1: the same bytes on the wire, less memory).
+    Context parallelism only when no layout fits without it (the rule of thumb: CP when a
+    sequence's activations outgrow the GPU). The step-time model prices CP's ring as hidden
+    behind attention, nearly free, so it would otherwise replace TP and recomputation at 4K;
+    what it leaves out (attention kernels on s/2cp-token chunks, P2P traffic contending with the
+    compute it hides behind, one more dimension to debug) is why practitioners wait for the
+    sequence to outgrow memory. `fastest_with_cp` shows what the model says CP would buy."""
     fitting = [p for p in plans if p.fits]
+    fitting = [p for p in fitting if p.layout.cp == 1] or fitting
     if not fitting:
         return None
     best = min(p.step_s for p in fitting)
@@ -223,17 +261,19 @@ def article_row(n_params: float) -> tuple[str, str, tuple[int, int]]:
 
 
 def article_alternative(plans: list[Plan], pp_range: tuple[int, int]) -> Plan | None:
-    """The fastest fitting layout with a pipeline depth the article names."""
+    """The fastest fitting layout with a pipeline depth the article names (and, like the
+    article's table, no context parallelism)."""
     lo, hi = pp_range
-    return min((p for p in plans if p.fits and lo <= p.layout.pp <= hi), key=lambda p: p.step_s,
-               default=None)
+    return min((p for p in plans if p.fits and p.layout.cp == 1 and lo <= p.layout.pp <= hi),
+               key=lambda p: p.step_s, default=None)
 
 
 def step_terms(p: Plan) -> dict[str, float]:
-    """A plan's step time by term: work (compute and recomputation), bubble, TP, PP, exposed DP."""
+    """A plan's step time by term: work (compute and recomputation), bubble, TP, exposed CP, PP,
+    exposed DP."""
     t = p.times
     return {"work": t["compute"] - t["bubble"], "bubble": t["bubble"], "TP": t["tp"],
-            "PP": t["pp"], "DP": t["dp_exposed"]}
+            "CP": t["cp_exposed"], "PP": t["pp"], "DP": t["dp_exposed"]}
 
 
 def why_not(pick: Plan, other: Plan) -> str:
@@ -261,20 +301,67 @@ def article_scenario(cfg: LlamaConfig, gpus: int, zero: int) -> dict[str, float]
 
 
 def format_plans(plans: list[Plan], top: int) -> str:
-    head = (f"{'tp':>3}{'pp':>4}{'v':>3}{'dp':>6}{'zero':>6}{'mb':>4}{'m':>5}{'AC':>10} |"
+    head = (f"{'tp':>3}{'cp':>4}{'pp':>4}{'v':>3}{'dp':>6}{'zero':>6}{'mb':>4}{'m':>5}{'AC':>10} |"
             f"{'weights':>8}{'grads':>7}{'optim':>7}{'activ':>7}{'total':>7} GB |"
-            f"{'TP':>8}{'PP':>7}{'DP':>8} GB/step |{'step s':>8}{'MFU':>6}  fits")
+            f"{'TP':>8}{'CP':>7}{'PP':>7}{'DP':>8} GB/step |{'step s':>8}{'MFU':>6}  fits")
     lines = [head, "-" * len(head)]
     for p in plans[:top]:
         lo = p.layout
         mem, c = {k: v / GB for k, v in p.memory.items()}, {k: v / GB for k, v in p.comm.items()}
         lines.append(
-            f"{lo.tp:>3}{lo.pp:>4}{lo.virtual_stages:>3}{lo.dp:>6}{lo.zero:>6}{lo.micro_batch:>4}"
-            f"{p.microbatches:>5}{lo.recompute:>10} |{mem['weights']:>8.1f}{mem['grads']:>7.1f}"
-            f"{mem['optimizer']:>7.1f}{mem['activations']:>7.1f}{mem['total']:>7.1f}    |"
-            f"{c['tp']:>8.1f}{c['pp']:>7.2f}{c['dp']:>8.1f}         |{p.step_s:>8.2f}"
-            f"{p.mfu:>6.0%}  {'yes' if p.fits else 'no'}")
-    return "\n".join(lines)
+            f"{lo.tp:>3}{lo.cp:>4}{lo.pp:>4}{lo.virtual_stages:>3}{lo.dp:>6}{lo.zero:>6}"
+            f"{lo.micro_batch:>4}{p.microbatches:>5}{lo.recompute:>10} |{mem['weights']:>8.1f}"
+            f"{mem['grads']:>7.1f}{mem['optimizer']:>7.1f}{mem['activations']:>7.1f}"
+            f"{mem['total']:>7.1f}    |{c['tp']:>8.1f}{c['cp']:>7.1f}{c['pp']:>7.2f}{c['dp']:>8.1f}"
+            f"         |{p.step_s:>8.2f}{p.mfu:>6.0%}  {'yes' if p.fits else 'no'}")
+    return "\n".join([*lines, "", LEGEND])
+
+
+LEGEND = """\
+tp, cp, pp, dp: tensor-, context-, pipeline- and data-parallel degrees (GPUs = tp·cp·pp·dp; mesh
+  order tp, cp, dp, pp, innermost first); v: virtual stages per GPU (interleaved 1F1B when > 1,
+  "v8" in a layout's name); zero: 0 DDP, 1 and 2 ZeRO-1/2, 3 FSDP (ZeRO-3), sharded over dp·cp;
+  mb: sequences per micro-batch (s/cp tokens of each on a GPU); m: micro-batches per replica
+  per step; AC: activation recomputation ("AC none": every block keeps its activations;
+  selective: the core attention (QKᵀ, softmax, ·V) is rerun, see recompute.py; full: a block keeps only its input).
+GB: per GPU of the busiest pipeline stage (weights, grads, optimizer state, saved activations);
+  GB/step: bytes each GPU sends per step along each dimension; step s: the modelled step time
+  (compute + bubble + TP + exposed CP, PP, DP); MFU: 6N·tokens / (step·GPUs·peak), attention's
+  FLOPs not counted (at 128K they outweigh 6N); fits: total ≤ headroom × GPU memory."""
+
+
+def fastest_with_cp(plans: list[Plan]) -> Plan | None:
+    """The fastest fitting layout with context parallelism."""
+    return min((p for p in plans if p.fits and p.layout.cp > 1), key=lambda p: p.step_s,
+               default=None)
+
+
+def cp_verdict(plans: list[Plan], best: Plan | None) -> str:
+    """Why the pick has (or lacks) context parallelism: the smallest CP-less footprint when
+    nothing fits without CP, else what the model says CP would buy."""
+    if best is None:
+        return "CP: nothing fits even with it"
+    if best.layout.cp > 1:
+        without = [p for p in plans if p.layout.cp == 1]
+        if not without:
+            return ("CP: needed: without it no layout gives each pipeline replica at least p "
+                    "micro-batches (too few sequences per step for the GPUs)")
+        small = min(without, key=lambda p: p.memory["total"])
+        return (f"CP: needed: the smallest CP-less footprint, {small.layout.describe()}, holds "
+                f"{small.memory['total'] / GB:.1f} GB per GPU, "
+                f"{small.memory['activations'] / GB:.1f} GB of them activations: more than fits")
+    other = fastest_with_cp(plans)
+    if other is None or other.step_s >= best.step_s:
+        return "CP: not needed, and no faster with it"
+    return (f"CP: not needed (a layout fits without it); the fastest with CP, "
+            f"{other.layout.describe()}, is priced {1 - other.step_s / best.step_s:.0%} faster: "
+            f"the model hides the ring behind attention and leaves out its costs (`recommend`)")
+
+
+def fastest_with_mesh(plans: list[Plan], tp: int, cp: int, pp: int) -> Plan | None:
+    """The fastest fitting way to run a given (tp, cp, pp) mesh."""
+    return min((p for p in plans if p.fits and (p.layout.tp, p.layout.cp, p.layout.pp)
+                == (tp, cp, pp)), key=lambda p: p.step_s, default=None)
 
 
 def article_report() -> str:
@@ -296,6 +383,16 @@ def article_report() -> str:
         other = article_alternative(plans, pp_range)
         if best and other and not pp_range[0] <= best.layout.pp <= pp_range[1]:
             lines.append(f"    the article's depth, priced: {why_not(best, other)}")
+    name, gpus, seq, batch, mesh = LONG_CONTEXT
+    plans = plan(MODELS[name], gpus, 80, seq, batch)
+    best = recommend(plans)
+    lines += ["", f"long context (not in the article): {name}, {gpus} GPUs, {batch} × {seq} "
+              f"tokens per step: {best.layout.describe() if best else 'nothing fits'}",
+              f"  {cp_verdict(plans, best)}"]
+    llama3 = fastest_with_mesh(plans, *mesh)
+    if best and llama3:
+        lines.append(f"  Llama 3's TP {mesh[0]} × CP {mesh[1]} × PP {mesh[2]}, priced: "
+                     f"{why_not(best, llama3)}")
     return "\n".join(lines)
 
 
@@ -307,6 +404,9 @@ TABLE_SCENARIOS = [
     ("llama-175b-shape", 256, 4096, 1024),
     ("llama3.1-405b", 16384, 8192, 2048),
 ]
+# Llama 3 405B's long-context stage (Llama 3 paper, Table 4): 16,384 GPUs, 16M tokens per step
+# of 128K-token sequences, on a TP 8 × CP 16 × PP 16 mesh.
+LONG_CONTEXT = ("llama3.1-405b", 16384, 131072, 128, (8, 16, 16))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -361,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     if best:
         print(f"  {best.memory['total'] / GB:.1f} GB per GPU, step ≈ {best.step_s:.2f} s, "
               f"MFU ≈ {best.mfu:.0%}")
+    print(cp_verdict(plans, best))
     print(f"the article's table for this size ({rows} GPUs): {advice}")
     other = article_alternative(plans, pp_range)
     if best and other and not pp_range[0] <= best.layout.pp <= pp_range[1]:

@@ -1,20 +1,30 @@
 """Activation recomputation ("activation checkpointing" in torch and on the command line) as a
-wrapper the trainer applies to the model's blocks.
+wrapper the trainer applies to the model's blocks. Per block and micro-batch of b sequences of s
+tokens (width h, a heads):
 
-    none       every block saves what autograd needs:      L · (10h + 4F) · e bytes per token
-    full       a block keeps only its input; backward reruns its forward first:  L · h · e
-               (+ one block's activations while it is recomputed), for one more forward (+33%)
-    selective  only the attention sub-layer (projections, RoPE, SDPA) is rerun: saves its
-               q, k, v and output (4h per token per layer) for a fraction of the extra compute
+    none       every block saves what autograd needs:  ≈ (10h + 4F)·e bytes per token (chapter 05)
+    selective  Korthikanti et al.'s: only the core attention softmax(QKᵀ/√d)·V (`Attention.attend`,
+               between the projections) is rerun in backward: +4·b·s²·h FLOPs forward per layer
+               (QKᵀ and ·V, 2·b·s²·h each); it drops what the core saves beyond its inputs
+    full       a block keeps only its input; backward reruns its forward first: L·h·e per token
+               (+ one block's activations while it is recomputed), for one more forward (+1/3)
 
-Korthikanti et al. (2022) call recomputing just the attention core "selective"; with SDPA (flash
-kernels) the s × s scores are never stored, so here the whole attention sub-layer is the unit.
+What selective saves depends on the kernel. Eager attention stores the s×s scores and softmax
+(Korthikanti's 5·a·s²·b bytes per layer): selective drops them. A flash kernel (SDPA here) never
+stores them, it already recomputes the scores tile by tile in its own backward; the core then
+saves only q, k, v (which the checkpoint keeps as its inputs), its output (kept for wo) and a
+log-sum-exp, so selective drops the log-sum-exp and the GQA-repeated copies of k and v.
+
 Non-reentrant `torch.utils.checkpoint` reruns the same ops on the same inputs, so the gradients
 are bitwise those of the model without it (no dropout in LLaMA, no RNG to replay). The model's
-code is untouched: the wrapper replaces the module in its parent. Depends only on torch.
+code is untouched: full replaces each block in its parent, selective wraps each attention's
+`attend` (whatever it is: causal SDPA, or context parallelism's ring). Depends only on torch.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -43,9 +53,14 @@ def unwrapped_name(name: str) -> str:
     return name.replace(PREFIX, "")
 
 
+def recomputed(attend: Callable) -> Callable:
+    """`attend(q, k, v)` under non-reentrant checkpoint: its inputs are kept, its insides rerun."""
+    return partial(checkpoint, attend, use_reentrant=False)
+
+
 def apply_recompute(blocks: nn.ModuleList | nn.ModuleDict, mode: str) -> None:
     """In place: 'full' wraps each block of `blocks` (a ModuleList, or a pipeline stage's
-    ModuleDict), 'selective' wraps each block's `attention`, 'none' does nothing."""
+    ModuleDict), 'selective' each block's core attention `attention.attend`, 'none' nothing."""
     if mode not in MODES:
         raise ValueError(f"recompute {mode!r}: use one of {', '.join(MODES)}")
     if mode == "none":
@@ -55,4 +70,4 @@ def apply_recompute(blocks: nn.ModuleList | nn.ModuleDict, mode: str) -> None:
         if mode == "full":
             blocks[key] = CheckpointWrapper(blocks[key])
         else:
-            blocks[key].attention = CheckpointWrapper(blocks[key].attention)
+            blocks[key].attention.attend = recomputed(blocks[key].attention.attend)

@@ -1,13 +1,14 @@
 """`make gpu-check`: every chapter on NCCL with `--check` (in float32 and in bf16 mixed precision;
 the extra variants in float32), in one summary table that says what each row checked: DDP,
 chapter 02's ring against NCCL's own all-reduce, ZeRO-3 with CPU offload, FSDP with forward and
-backward prefetch, TP, every pipeline schedule (GPipe, 1F1B, interleaved, ZB-H1: NCCL's P2P
-ordering is what gloo cannot show), the 3D mesh with 1F1B and interleaved; each row's peak CUDA
-memory beside its memory formula; then a single-GPU bf16 throughput benchmark of the LLaMA model
-with its MFU. World size = the GPU count (the interleaved pipeline: 4 or 2 stages, the small
-model's 8 layers in 2 chunks per rank); a row that needs more GPUs than there are says so
-("skipped: needs 2 GPUs"). Rows stop starting after --budget-s, so that the whole check stays
-under 6 minutes; a row skipped for time is not a pass (exit 1).
+backward prefetch, TP, context parallelism's ring attention, every pipeline schedule (GPipe,
+1F1B, interleaved, ZB-H1: NCCL's P2P ordering is what gloo cannot show), the 3D mesh with 1F1B
+and interleaved; each row's peak CUDA memory beside its memory formula; then a single-GPU bf16
+throughput benchmark of the LLaMA model with its MFU. World size = the GPU count (the
+interleaved pipeline: 4 or 2 stages, the small model's 8 layers in 2 chunks per rank); a row
+that needs more GPUs than there are says so ("skipped: needs 2 GPUs"). Rows stop starting after
+--budget-s, so that the whole check stays under 6 minutes; a row skipped for time is not a pass
+(exit 1).
 
     MFU = achieved FLOP/s / peak FLOP/s,   FLOP per token ≈ 6·N + 12·L·d·T
 (N = non-embedding parameters; the second term is attention's QKᵀ and AV, forward and backward).
@@ -92,6 +93,9 @@ CHECKS = (
           lambda ranks: ["--sharding-strategy", "FULL_SHARD"]),
     Check("05 TP", "05_tensor_parallel", "Megatron TP (DP over what 1, 2, 4, 8 leaves), vocab-parallel loss",
           lambda ranks: ["--tp", str(max(t for t in (1, 2, 4, 8) if ranks % t == 0))]),
+    Check("05 CP ring", "05_tensor_parallel", "ring attention, zig-zag, cp = 1, 2, 4 or 8 dividing the "
+          "GPUs (1 GPU: cp 1, no ring), P2P groups on NCCL",
+          lambda ranks: ["--tp", "1", "--cp", str(max(c for c in (1, 2, 4, 8) if ranks % c == 0))]),
     Check("06 PP 1F1B", "06_pipeline", "1F1B schedule, one stage per GPU", pipeline_flags("1f1b")),
     Check("06 PP GPipe", "06_pipeline", "GPipe schedule: P2P groups on NCCL",
           pipeline_flags("gpipe"), ("float32",), 2),

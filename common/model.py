@@ -125,6 +125,14 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(Q Kᵀ / sqrt(d) + causal mask) V on [B, H, T, d], each of the H_kv K/V heads of k, v
+    [B, H_kv, T, d] repeated for its group of H / H_kv query heads."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (x.transpose(1, 2).repeat_interleave(group, dim=2).transpose(1, 2) for x in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     """softmax(Q Kᵀ / sqrt(d) + causal mask) V, with RoPE on Q, K and each K/V head repeated for
     its group of query heads."""
@@ -136,6 +144,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        # q [B, H, T, d], k/v [B, H_kv, T, d] after RoPE → [B, H, T, d]; context parallelism swaps it
+        self.attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = causal_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -143,11 +153,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, T, -1, self.head_dim)
         v = self.wv(x).view(B, T, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        group = q.shape[2] // k.shape[2]
-        k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
+        out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -190,9 +196,12 @@ class Llama(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions`: each token's place in the whole sequence, for RoPE (default 0 … T-1; a
+        context-parallel rank passes the global positions of the tokens it holds)."""
         h = self.tok_embeddings(tokens)
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
         cos, sin = rope_cos_sin(self.cfg, positions, h.dtype)
         for layer in self.layers:
             h = layer(h, cos, sin)

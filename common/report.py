@@ -18,8 +18,10 @@ P2P_OPS = ("send", "isend", "recv", "irecv")
 
 def comm_convention(comm: dict) -> str:
     """How the meter's figure was obtained: collectives are *accounted* by nccl-tests' convention
-    (2(n-1)/n·S for an all-reduce, whatever the algorithm); point-to-point sends are counted as
-    *sent*. Neither is observed on the wire (common/wire.py observes, on gloo)."""
+    (2(n-1)/n·S for an all-reduce, (n-1)/n·S for a reduce-scatter, whatever the algorithm: what
+    NCCL's ring sends); point-to-point sends are counted as *sent*. Neither is observed on the
+    wire: common/wire.py observes what gloo writes, which differs per collective (gloo has no
+    reduce-scatter and runs a full all-reduce: README.md, "What gloo really sends")."""
     p2p = [op for op in comm if op in P2P_OPS]
     if p2p and len(p2p) == len(comm):
         return "sent (P2P)"
@@ -42,24 +44,27 @@ def _ratio(measured: float | None, formula: float | None) -> str:
     return f"{measured / formula:.4f}"
 
 
-W = 30  # the label column
+W = 40  # the label column
+COMM_LABELS = {"accounted (nccl-tests)": "accounted (nccl-tests convention)"}
+OBSERVED_ROWS = (("comm_written_bytes", "comm written by gloo (wchar)"),
+                 ("comm_observed_lo_bytes", "comm on loopback (gloo + TCP/IP)"))
 
 
 def summary_table(report: dict) -> str:
     mesh = " × ".join(f"{k}={v}" for k, v in report["mesh"].items())
     losses = report["losses"]
+    convention = report.get("comm_convention", "accounted (nccl-tests)")
     precision = report["dtype"] + (" + bf16 mixed" if report.get("mixed_precision") == "bf16" else "")
     lines = [
         f"chapter {report['chapter']} · {report['strategy']} · {mesh} · {report['backend']} on "
         f"{report['device']} · {precision} · {report['steps']} steps",
         f"loss {losses[0]:.4f} → {losses[-1]:.4f} · {report['tokens_per_s']:.0f} tokens/s",
         f"{'per rank':<{W}}{'measured':>14}{'formula':>14}{'ratio':>9}",
-        f"{'comm ' + report.get('comm_convention', 'accounted (nccl-tests)'):<{W}}"
+        f"{'comm ' + COMM_LABELS.get(convention, convention):<{W}}"
         f"{human_bytes(report['comm_bytes_per_rank']):>14}{human_bytes(report['comm_bytes_formula']):>14}"
         f"{_ratio(report['comm_bytes_per_rank'], report['comm_bytes_formula']):>9}",
     ]
-    for key, label in (("comm_observed_lo_bytes", "comm observed on lo"),
-                       ("comm_written_bytes", "comm written (wchar)")):
+    for key, label in OBSERVED_ROWS:
         if report.get(key) is not None:
             lines.append(f"{label:<{W}}{human_bytes(report[key]):>14}"
                          f"{human_bytes(report['comm_bytes_formula']):>14}"
@@ -68,9 +73,21 @@ def summary_table(report: dict) -> str:
         formula = report["memory_formula"].get(key)
         lines.append(f"{'memory ' + key:<{W}}{human_bytes(value):>14}{human_bytes(formula):>14}"
                      f"{_ratio(value, formula):>9}")
+    if report.get("cp_comm_bytes_formula") is not None:  # context parallelism: the ring's P2P
+        sent = report.get("cp_comm_bytes", report["comm"].get("isend", {}).get("bytes", 0.0))
+        lines.append(f"{'comm CP ring K/V, dK/dV (sent, P2P)':<{W}}{human_bytes(sent):>14}"
+                     f"{human_bytes(report['cp_comm_bytes_formula']):>14}"
+                     f"{_ratio(sent, report['cp_comm_bytes_formula']):>9}")
+    if report.get("cp_load_balance") is not None:
+        lines.append(f"{'CP attention work max/min over ranks':<{W}}{report['cp_load_balance']:>14.4f}"
+                     f"{'1 (ideal)':>14}")
+    if report.get("comm_written_bytes") is not None and any(op.startswith("reduce_scatter")
+                                                            for op in report.get("comm", {})):
+        lines.append("  written: gloo runs each reduce-scatter as a full all-reduce, 2× its accounted "
+                     "bytes (README.md#what-gloo-really-sends)")
     if report.get("comm_observed_lo_bytes") is not None:
         noise = report.get("comm_observed_lo_noise_bytes")
-        lines.append(f"  lo: the machine's loopback bytes ÷ local ranks, incl. TCP/IP headers, gloo "
+        lines.append(f"  loopback: the machine's bytes ÷ local ranks, incl. TCP/IP headers, gloo "
                      f"framing, barriers and other processes (background before training × time: "
                      f"{human_bytes(noise)})")
     if report.get("reference_losses") is not None:

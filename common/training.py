@@ -11,6 +11,8 @@ torchtitan's split between the model and its `parallelize_*` function:
              (check) strategy.full_gradients(), full_parameters() outside both, to rank 0
              strategy.step(); strategy.zero_grad()               timed window, comm meter
 
+`--profile DIR` traces the timed windows of a few steps, one file per rank (common/profile.py).
+
 TP and PP ranks of one data-parallel replica share `dp_rank`, so they take the same rows. The
 reported loss of a step is the mean over the ranks that have one (PP: the last stage; TP: every
 rank of the group, each with the same value), which is the global-batch mean loss because every
@@ -55,6 +57,7 @@ from common.dist import (
     synchronize,
 )
 from common.memory import ActivationMeter, CudaPeakMeter, model_state_bytes
+from common.profile import profiler_or_nothing
 from common.reference import LockstepReference
 from common.report import comm_convention, emit_report
 from common.wire import WireMeter
@@ -247,27 +250,31 @@ def train(args: argparse.Namespace, ctx: DistContext, strategy: Strategy, layout
                       ctx.device, strategy.start_step)
     ran = args.steps - strategy.start_step  # a resumed run reports the steps it ran
     local_losses = torch.zeros(ran, 2, dtype=torch.float64, device=ctx.device)  # [loss, has one]
+    profiler = profiler_or_nothing(getattr(args, "profile", None), ctx.rank, ctx.device,
+                                   strategy.start_step, args.steps)
     memory = {}
     for i, step in enumerate(range(strategy.start_step, args.steps)):
         tokens = data.global_batch(step, args.global_batch)
         micro = rank_micro_batches(strategy, tokens, layout.micro_batch, ctx.device)
-        with measured.measure("forward_backward"):
+        with measured.measure("forward_backward"), profiler.window(step, "forward_backward"):
             loss = strategy.forward_backward(micro)
         record_loss(local_losses[i], loss)
         del loss
         if args.check:
-            grads, params = strategy.full_gradients(), strategy.full_parameters()
-            if reference is not None:
-                with measured.peak.exclude():
-                    reference.step(tokens, grads, params)
+            with profiler.paused():
+                grads, params = strategy.full_gradients(), strategy.full_parameters()
+                if reference is not None:
+                    with measured.peak.exclude():
+                        reference.step(tokens, grads, params)
             del grads, params  # rank 0's gathered copies must not stay into the next window
-        with measured.measure("step"):
+        with measured.measure("step"), profiler.window(step, "step"):
             strategy.step()
             if step == args.steps - 1:
                 memory = strategy.memory()
             strategy.zero_grad()
         log(step, local_losses[i : i + 1])
         strategy.after_step(step + 1)
+    profiler.finish()
     report = run_report(args, ctx, strategy, layout, chapter, measured, global_loss(local_losses), memory)
     if args.check:
         report.update(check_verdict(ctx, strategy, reference, report["losses"]))

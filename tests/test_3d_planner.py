@@ -16,6 +16,8 @@ from parallel3d.lr_schedule import warmup_cosine, warmup_cosine_scheduler
 from parallel3d.memory_model import (
     GB,
     Layout,
+    activation_bytes,
+    comm_bytes_per_gpu,
     head_activation_bytes,
     layer_activation_bytes,
     memory_per_gpu,
@@ -24,12 +26,16 @@ from parallel3d.memory_model import (
     total_parameters,
 )
 from parallel3d.planner import (
+    LONG_CONTEXT,
     MODELS,
     TABLE_SCENARIOS,
     Hardware,
     article_alternative,
     article_row,
     article_scenario,
+    cp_verdict,
+    fastest_with_cp,
+    fastest_with_mesh,
     main,
     plan,
     price,
@@ -38,6 +44,7 @@ from parallel3d.planner import (
     why_not,
 )
 from parallel3d.recompute import apply_recompute, unwrapped_name
+from tensor_parallel.formulas import cp_comm_bytes
 
 
 @functools.cache
@@ -113,7 +120,7 @@ def test_175b_takes_the_articles_pp_4_to_8_because_pp_2_holds_too_much_per_stage
     plans = planned("llama-175b-shape")
     best = recommend(plans)
     assert article_alternative(plans, article_row(175e9)[2]) is not None
-    pp2 = [p for p in plans if p.layout.pp == 2 and p.fits]
+    pp2 = [p for p in plans if p.layout.pp == 2 and p.layout.cp == 1 and p.fits]  # 3D, as the article
     assert all(p.layout.zero >= 2 or p.layout.recompute == "full" for p in pp2)
     fastest = min(pp2, key=lambda p: p.step_s)
     extra = {k: step_terms(fastest)[k] - v for k, v in step_terms(best).items()}
@@ -136,6 +143,98 @@ def test_405b_at_the_articles_pp_16_pays_a_bubble_twice_as_large():
     assert "bubble 15/(4·16) = 23.4%, 7/(8·8) = 10.9%" in why_not(best, other)
 
 
+# --- context parallelism: the fourth dimension, for long sequences ------------------------------
+
+def test_cp_divides_every_activation_term_by_cp_even_eager_scores():
+    """Each saved tensor is linear in the tokens a rank holds; eager attention's a·s² scores
+    fall by cp too, not cp²: a local query still meets all s keys."""
+    cfg = MODELS["llama2-70b"]
+    for eager in (False, True):
+        for ac in ("none", "selective", "full"):
+            one = activation_bytes(cfg, Layout(tp=8, recompute=ac), 131072, 1, eager_attention=eager)
+            four = activation_bytes(cfg, Layout(tp=8, recompute=ac, cp=4), 131072, 1,
+                                    eager_attention=eager)
+            assert four == pytest.approx(one / 4, rel=1e-12), (eager, ac)
+
+
+def test_cp_ring_bytes_are_chapter_05s_and_states_shard_over_dp_times_cp():
+    """Per block and micro-batch, a CP rank sends chapter 05's `cp_comm_bytes` (cp-1 K/V blocks
+    of GQA's 8 heads / t forward; K/V and the float32 dK/dV backward), recomputation one more
+    forward pass; the gradients are reduced over dp·cp: CP 4 × DP 2 sends DP 8's bytes."""
+    cfg, s, e = MODELS["llama2-70b"], 32768, 2
+    ring = sum(cp_comm_bytes(1, s, cfg.n_kv_heads // 8, cfg.head_dim, 4, e).values())
+    forward = cp_comm_bytes(1, s, cfg.n_kv_heads // 8, cfg.head_dim, 4, e)["forward K/V"]
+    for ac, per_block in (("none", ring), ("full", ring + forward)):
+        comm = comm_bytes_per_gpu(cfg, Layout(tp=8, cp=4, dp=2, zero=1, recompute=ac), s, 1)
+        assert comm["cp"] == cfg.n_layers * per_block
+    assert comm["dp"] == comm_bytes_per_gpu(cfg, Layout(tp=8, dp=8, zero=1), s, 1)["dp"]
+    mem = memory_per_gpu(cfg, Layout(tp=8, cp=4, dp=2, zero=3), s, 1)
+    assert mem["optimizer"] == memory_per_gpu(cfg, Layout(tp=8, dp=8, zero=3), s, 1)["optimizer"]
+
+
+@functools.cache
+def long_context_1024() -> list:
+    """405B at 128K on 1,024 GPUs, 16M tokens (128 sequences) per step."""
+    return plan(MODELS["llama3.1-405b"], 1024, 80, 131072, 128)
+
+
+def test_405b_at_128k_fits_only_with_cp():
+    """The rule of thumb, from the formulas: at 128K no CP-less layout fits. Even full
+    recomputation keeps every block's input, s·h·e/t each, for the p micro-batches 1F1B holds
+    on L/p blocks: L·s·h·e/t = 67.6 GB whatever p, plus one block's 19.9 GB while it is
+    recomputed. TP stops at 8 and PP does not shrink it: only splitting the sequence does."""
+    cfg, s = MODELS["llama3.1-405b"], 131072
+    plans = long_context_1024()
+    without = [p for p in plans if p.layout.cp == 1]
+    assert without and not any(p.fits for p in without)
+    smallest = min(without, key=lambda p: p.memory["total"])
+    inputs = cfg.n_layers * s * cfg.dim * 2 / 8
+    transient = layer_activation_bytes(cfg, s, s, 8, True, "none", 2)
+    assert (smallest.layout.tp, smallest.layout.recompute) == (8, "full")
+    assert smallest.memory["activations"] == pytest.approx(inputs + transient, rel=1e-3)
+    assert inputs / GB == pytest.approx(67.6, abs=0.1) and smallest.memory["total"] > 80 * GB
+    best = recommend(plans)
+    assert best is not None and best.layout.cp > 1, best
+    assert cp_verdict(plans, best).startswith("CP: needed: the smallest CP-less footprint")
+
+
+def test_llama3_long_context_mesh_is_close_to_the_pick():
+    """Llama 3 405B's 128K stage ran TP 8 × CP 16 × PP 16 on 16,384 GPUs, 16M tokens per step:
+    128 sequences leave each of 16384/(8·p) replicas p/16 < p micro-batches without CP, so
+    every layout there needs CP. Its mesh fits and is priced within 25% of the pick, which
+    differs mostly by the bubble (the planner's PP 8 × v8 against PP 16 × v4)."""
+    name, gpus, seq, batch, mesh = LONG_CONTEXT
+    plans = plan(MODELS[name], gpus, 80, seq, batch)
+    best, llama3 = recommend(plans), fastest_with_mesh(plans, *mesh)
+    assert all(p.layout.cp > 1 for p in plans)
+    assert best.layout.cp >= 8 and best.times["cp_exposed"] == 0.0, best
+    assert llama3 is not None and llama3.step_s <= 1.25 * best.step_s, why_not(best, llama3)
+    extra = {k: step_terms(llama3)[k] - v for k, v in step_terms(best).items()}
+    assert max(extra, key=extra.get) == "bubble", extra
+
+
+def test_short_sequences_pick_no_cp_though_the_model_prices_it_cheap():
+    """At 4K a CP-less layout fits, so the pick has cp = 1, though the step-time model, which
+    hides the ring behind attention and prices none of its other costs, finds a CP layout
+    faster: the rule of thumb decides, and the printout says so."""
+    plans = planned("llama2-70b")
+    best, cp = recommend(plans), fastest_with_cp(plans)
+    assert best.layout.cp == 1
+    assert cp is not None and cp.step_s < best.step_s
+    assert cp_verdict(plans, best).startswith("CP: not needed (a layout fits without it)")
+
+
+def test_ring_is_exposed_only_when_it_outlasts_the_attention():
+    """The ring's transfer hides behind the attention of the block it carries: at 8K over the
+    network (TP 4 × CP 8 spans 4 nodes) 7 K/V blocks outlast 1K tokens' causal attention; at
+    128K the same ring hides."""
+    cfg, hw = MODELS["llama3.1-405b"], Hardware()
+    layout = Layout(tp=4, cp=8, pp=16, dp=32, zero=1, virtual_stages=4, recompute="none")
+    assert price(cfg, layout, 8192, 2048, 80, hw).times["cp_exposed"] > 0
+    long = Layout(tp=4, cp=8, pp=16, dp=8, zero=3, recompute="full")
+    assert price(cfg, long, 131072, 128, 80, hw).times["cp_exposed"] == 0
+
+
 def test_nothing_fits_is_reported():
     assert recommend(plan(CONFIGS["llama2-70b"], 1, 80, 4096, 8)) is None
 
@@ -147,7 +246,9 @@ def test_cli_prints_candidates_and_a_recommendation(capsys):
     assert "its pipeline depth, priced" not in out  # PP 4 is among the depths the article names
     assert main(["--model", "llama3.1-405b", "--gpus", "16384", "--seq-len", "8192",
                  "--global-batch", "2048", "--top", "0"]) == 0
-    assert "its pipeline depth, priced: TP 8 × PP 16 v4" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "its pipeline depth, priced: TP 8 × PP 16 v4" in out
+    assert "AC: activation recomputation" in out and "v: virtual stages" in out  # the legend
     assert main(["--gpus", "0"]) == 2
 
 
@@ -201,6 +302,27 @@ def test_activation_checkpointing_equals_none_in_float64(mode):
     assert grads[mode][1].keys() == grads["none"][1].keys()
     for name, g in grads["none"][1].items():
         assert torch.equal(grads[mode][1][name], g), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n_kv_heads", [2, 4])
+def test_selective_recomputation_drops_exactly_the_core_attentions_saved_tensors(n_kv_heads, dtype):
+    """Selective = the core attention rerun (Korthikanti et al.): what it saves over none, on the
+    ledger, is the formula's to the byte: the log-sum-exp and the GQA-repeated k, v beyond the
+    unrepeated inputs the checkpoint keeps (with flash SDPA no s×s scores exist to drop)."""
+    cfg = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads, vocab_size=64, multiple_of=16)
+    b, s = 2, 24
+    tokens = torch.randint(0, 64, (b, s + 1), generator=torch.Generator().manual_seed(0))
+    peak = {}
+    for mode in ("none", "selective"):
+        model = build_model(cfg, 0, dtype)
+        apply_recompute(model.layers, mode)
+        with ActivationMeter(model.parameters()) as meter:
+            loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        peak[mode] = meter.peak_bytes
+    e = torch.empty((), dtype=dtype).element_size()
+    formula = {m: cfg.n_layers * layer_activation_bytes(cfg, b * s, s, recompute=m, elem=e) for m in peak}
+    assert peak["none"] - peak["selective"] == formula["none"] - formula["selective"] > 0
 
 
 def test_unknown_checkpointing_mode_is_rejected():

@@ -137,7 +137,22 @@ def test_report_prints_json_as_last_line(tmp_path, capsys):
     emit_report(report, str(tmp_path / "r.json"))
     out = capsys.readouterr().out.strip().splitlines()
     assert json.loads(out[-1]) == report == json.loads((tmp_path / "r.json").read_text())
-    assert any("comm accounted (nccl-tests)" in line and "2.0000" in line for line in out)
+    assert any("comm accounted (nccl-tests convention)" in line and "2.0000" in line for line in out)
+    assert not any("written by gloo" in line for line in out)  # no observed row without a wire meter
+
+
+def test_report_labels_what_gloo_wrote_apart_from_the_accounted_bytes(capsys):
+    """A reduce-scatter run: gloo writes 2× the accounted bytes (it runs a full all-reduce), and
+    the table says so under the row instead of leaving two figures that disagree unexplained."""
+    report = {"chapter": 3, "strategy": "zero-2", "world_size": 2, "mesh": {"dp": 2}, "backend": "gloo",
+              "device": "cpu", "dtype": "float32", "steps": 1, "losses": [2.0], "tokens_per_s": 10.0,
+              "comm": {"reduce_scatter_tensor": {"calls": 1, "bytes": 50.0}}, "comm_bytes_per_rank": 50.0,
+              "comm_bytes_formula": 50.0, "comm_convention": "accounted (nccl-tests)",
+              "comm_written_bytes": 100.0, "memory": {}, "memory_formula": {}}
+    emit_report(report)
+    out = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("comm written by gloo (wchar)") and line.endswith("2.0000") for line in out)
+    assert any("reduce-scatter as a full all-reduce" in line for line in out)
 
 
 def test_comm_convention_says_accounted_for_collectives_and_sent_for_p2p():

@@ -90,7 +90,7 @@ def article_loop(spec: TrainSpec, mixed: bool) -> dict:
     # ---- observation only: when step() starts, every reduce-scatter has landed in .grad
     landed = []
     optimizer.register_step_pre_hook(lambda *_: landed.append(
-        all(h.flat_param.grad is not None and h._reduce is None for h in model.handles())))
+        all(h.flat_param.grad is not None and h._reduce is None for h in model._handles())))
     losses = []
     for batch in dataloader:
         loss = model(batch)
@@ -170,17 +170,11 @@ def torch_fsdp2_strategy(spec: TrainSpec, sharding: str):
 
 @pytest.mark.parametrize("sharding", ["FULL_SHARD", "SHARD_GRAD_OP"])
 def test_torch_fsdp2_through_the_same_check(pools, sharding):
-    """torch's own FSDP2 (fully_shard, the same units) held to the same reference. On torch
-    2.6-2.8 its gloo reduce-scatter asks for ReduceOp.AVG and gets the SUM (gradients n× too
-    large, see the top-level README): there this check is expected to fail, and is marked xfail."""
+    """torch's own FSDP2 (fully_shard, the same units) held to the same reference (float64: FSDP2
+    reduces with SUM and divides by N itself, so gloo's AVG handling never enters)."""
     spec = TrainSpec(cfg=get_config("tiny", n_layers=2), world_size=2, global_batch=4, micro_batch=1,
                      seq_len=5, steps=2, clip_grad=1e-2)
-    try:
-        check_strategy(pools, spec, torch_fsdp2_strategy, sharding)
-    except AssertionError:
-        if tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 10):
-            pytest.xfail(f"torch {torch.__version__}: FSDP2's AVG reduce-scatter on gloo is a SUM")
-        raise
+    check_strategy(pools, spec, torch_fsdp2_strategy, sharding)
 
 
 # --- negative controls: the same check rejects a broken FSDP ----------------------------------------
@@ -206,7 +200,7 @@ def broken_strategy(spec: TrainSpec, broken: str) -> FSDPStrategy:
         return LocalNormClipping(args, init_distributed())
     strategy = fsdp_strategy(spec)
     full = strategy.model.full_state_dict(rank0_only=False)
-    for h in strategy.model.handles():
+    for h in strategy.model._handles():
         if broken == "missing-1/N":
             h.finish_grad = types.MethodType(_finish_grad_without_divide, h)
         elif broken == "wrong-shard-offset":  # each rank starts from its neighbour's slice

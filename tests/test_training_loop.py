@@ -21,6 +21,7 @@ from common.data import SyntheticTokens
 from common.dist import init_distributed
 from common.memory import CudaPeakMeter
 from common.model import get_config
+from common.profile import WINDOW_PREFIXES, load_events, rank_lanes
 from common.training import measure_activations, rank_micro_batches, run
 from data_parallel.train import STRATEGIES, DataParallelStrategy
 from tests.equivalence import (
@@ -274,3 +275,35 @@ def test_activation_meter_is_opt_in_on_cuda_only():
     assert not measure_activations(argparse.Namespace(), cuda)
     assert measure_activations(argparse.Namespace(measure_activations=True), cuda)
     assert not measure_activations(argparse.Namespace(measure_activations=False), cpu)
+
+
+# --- --profile DIR: a trace per rank of the timed windows, the numbers unchanged -----------------
+
+def profiled_ddp_run(directory: str | None) -> dict:
+    """2 steps of tiny DDP with one bucket per few parameters (so backward issues several)."""
+    argv = ["--model", "tiny", "--seq-len", "8", "--global-batch", "4", "--data", "synthetic",
+            "--steps", "2", "--bucket-mb", "0.01", "--log-every", "0"]
+    args = dp_train.parse_args(argv + (["--profile", directory] if directory else []))
+    return run(args, init_distributed(), dp_train.validate(args, 2), dp_train.build, 1)
+
+
+def test_profile_traces_the_bucket_all_reduces_inside_backward_and_changes_no_number(pools, tmp_path):
+    """Step 2 is traced (step 1 is warm-up); every bucket all-reduce DDP issued in it is in the
+    trace (its call on the training thread, its transfer on gloo's worker thread), inside the
+    forward_backward window; the losses equal an unprofiled run's."""
+    plain = pools.run(2, profiled_ddp_run, None)
+    profiled = pools.run(2, profiled_ddp_run, str(tmp_path))
+    assert [r["losses"] for r in profiled] == [r["losses"] for r in plain]
+    buckets_per_step = profiled[0]["comm"]["all_reduce"]["calls"] // 2
+    assert buckets_per_step >= 2, profiled[0]["comm"]
+    for rank in range(2):
+        events = load_events(tmp_path / f"rank{rank}.json")
+        windows = {e["name"]: e for e in events if e["name"].startswith(WINDOW_PREFIXES)}
+        assert sorted(windows) == ["forward_backward 2", "optimizer step 2"]
+        backward_from, step_from = windows["forward_backward 2"]["ts"], windows["optimizer step 2"]["ts"]
+        for name in ("c10d::allreduce_", "gloo:all_reduce"):
+            starts = [e["ts"] for e in events if e["name"] == name]
+            in_backward = [t for t in starts if backward_from <= t < step_from]
+            assert len(starts) == len(in_backward) == buckets_per_step, (name, len(starts))
+        _, lanes = rank_lanes(events)
+        assert lanes["backward"] and lanes["communication"] and lanes["optimizer"]

@@ -1,10 +1,10 @@
 """Checkpoints of the 3D trainer (train.py's Parallel3DStrategy): which region of which reference
 tensor each element of a rank's FSDP flat shards is, and the training state around it.
 
-A rank of the dp × pp × tp mesh holds, per FSDP unit of its pipeline chunks, one flat shard:
+A rank of the pp × dp × cp × tp mesh holds, per FSDP unit of its pipeline chunks, one flat shard:
 
     flat  = cat(TP-local tensor of each name in the unit) ++ padding     (FSDP, 04)
-    shard = flat[r·S : (r+1)·S]                                          r = DP rank in the unit
+    shard = flat[r·S : (r+1)·S]                                          r = rank in the unit's dp × cp group
     TP-local tensor of `name` = box at offsets (i·local[dim] along dim) of the full tensor,
                                 i = tp_rank // copies                    (05's TPShard)
 
@@ -158,7 +158,7 @@ class ResumableStrategy:
 
     def after_step(self, done: int) -> None:
         """Save every --save-every steps and after the last one (with --checkpoint-dir)."""
-        kill_if_asked(done, self.mesh3d.rank, self.mesh3d.dp * self.mesh3d.pp * self.mesh3d.tp)
+        kill_if_asked(done, self.mesh3d.rank, self.mesh3d.size)
         root = getattr(self.args, "checkpoint_dir", None)
         if root is not None and save_due(done, self.args.save_every, self.args.steps):
             save_trainer_state(self, root, done, keep=self.args.keep)

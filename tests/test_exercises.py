@@ -1,0 +1,67 @@
+"""Every notebook's exercises can be failed and can be solved.
+
+Each chapter has `exercises.py` (the checks the notebook calls on the student's function:
+`EXERCISES = {name: check}`, each check prints ✓/✗ with the figure that decided and returns a
+bool, never raises) and `solutions.py` (one function per name; the notebook never imports it).
+`WRONG = {name: fn}` in exercises.py holds a plausible wrong answer per exercise (the mistake a
+student is likely to make), which its check must reject.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+
+import nbformat
+import pytest
+
+from common.notebooks import REPO_ROOT
+
+PACKAGES = {"01_data_parallel": "data_parallel", "02_ring_allreduce": "ring_allreduce", "03_zero": "zero",
+            "04_fsdp": "fsdp", "05_tensor_parallel": "tensor_parallel", "06_pipeline": "pipeline",
+            "07_3d": "parallel3d"}
+
+
+def _exercises() -> list[tuple[str, str]]:
+    return [(package, name) for package in PACKAGES.values()
+            for name in import_module(f"{package}.exercises").EXERCISES]
+
+
+CASES = _exercises()
+IDS = [f"{package}.{name}" for package, name in CASES]
+
+
+def _check(package: str, name: str):
+    return import_module(f"{package}.exercises").EXERCISES[name]
+
+
+def test_every_chapter_has_an_exercise():
+    counts = {package: len(import_module(f"{package}.exercises").EXERCISES) for package in PACKAGES.values()}
+    assert all(counts.values()), counts
+
+
+@pytest.mark.parametrize(("package", "name"), CASES, ids=IDS)
+def test_the_solution_passes(package, name):
+    assert _check(package, name)(getattr(import_module(f"{package}.solutions"), name)) is True
+
+
+@pytest.mark.parametrize(("package", "name"), CASES, ids=IDS)
+def test_the_stub_fails_without_raising(package, name):
+    def stub(*args, **kwargs):
+        raise NotImplementedError("your code here")
+
+    assert _check(package, name)(stub) is False
+
+
+@pytest.mark.parametrize(("package", "name"), CASES, ids=IDS)
+def test_a_plausible_wrong_answer_fails(package, name):
+    assert _check(package, name)(import_module(f"{package}.exercises").WRONG[name]) is False
+
+
+@pytest.mark.parametrize("directory", PACKAGES)
+def test_the_notebook_calls_every_check_and_never_imports_the_solutions(directory):
+    package = PACKAGES[directory]
+    cells = nbformat.read(REPO_ROOT / directory / "lesson.ipynb", as_version=4).cells
+    source = "\n".join(c.source for c in cells if c.cell_type == "code")
+    assert "solutions" not in source
+    missing = [name for name in import_module(f"{package}.exercises").EXERCISES if name not in source]
+    assert not missing, f"{directory}/lesson.ipynb never calls the check of {missing}"
