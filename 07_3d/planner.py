@@ -323,7 +323,8 @@ tp, cp, pp, dp: tensor-, context-, pipeline- and data-parallel degrees (GPUs = t
   "v8" in a layout's name); zero: 0 DDP, 1 and 2 ZeRO-1/2, 3 FSDP (ZeRO-3), sharded over dp·cp;
   mb: sequences per micro-batch (s/cp tokens of each on a GPU); m: micro-batches per replica
   per step; AC: activation recomputation ("AC none": every block keeps its activations;
-  selective: the core attention (QKᵀ, softmax, ·V) is rerun, see recompute.py; full: a block keeps only its input).
+  selective: the core attention (QKᵀ, softmax, ·V) is rerun, see recompute.py; full: a block
+  keeps only its input).
 GB: per GPU of the busiest pipeline stage (weights, grads, optimizer state, saved activations);
   GB/step: bytes each GPU sends per step along each dimension; step s: the modelled step time
   (compute + bubble + TP + exposed CP, PP, DP); MFU: 6N·tokens / (step·GPUs·peak), attention's
