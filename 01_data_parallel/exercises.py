@@ -15,25 +15,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from common.exercise import attempt
 from common.model import build_model, get_config
 
 from .ddp import assign_buckets
-
-
-def _verdict(name: str, ok: bool, figure: str) -> bool:
-    print(f"{'✓' if ok else '✗'} {name}: {figure}")
-    return ok
-
-
-def _attempt(name: str, check: Callable[[], tuple[bool, str]]) -> bool:
-    """Run a check; a stub or a crash in the student's code is a ✗, never an exception."""
-    try:
-        ok, figure = check()
-    except NotImplementedError:
-        return _verdict(name, False, "not solved yet")
-    except Exception as error:  # the student's code may raise anything
-        return _verdict(name, False, f"your function raised {type(error).__name__}: {error}")
-    return _verdict(name, ok, figure)
 
 
 def check_bytes_per_step(fn: Callable[[int, int, int], float]) -> bool:
@@ -47,7 +32,7 @@ def check_bytes_per_step(fn: Callable[[int, int, int], float]) -> bool:
         P, n, b = cases[0]
         return True, f"P={P:,}, n={n}, float32: {2 * (n - 1) / n * P * b / 2**20:.2f} MiB per rank per step"
 
-    return _attempt("bytes_per_step", check)
+    return attempt(check, "bytes_per_step")
 
 
 def _named_params(sizes_bytes: list[int]) -> list[tuple[str, nn.Parameter]]:
@@ -71,7 +56,7 @@ def check_bucket_layout(fn: Callable[[list[int], float], list[list[int]]]) -> bo
                 return False, (f"sizes {shown}, cap {cap:g} B: yours {_short(yours)}, DDP's {_short(truth)}")
         return True, f"`small` at a 4 MiB cap: {len(assign_buckets(_named_params(small), 4 * 2**20))} buckets"
 
-    return _attempt("bucket_layout", check)
+    return attempt(check, "bucket_layout")
 
 
 def _short(buckets: list[list[int]]) -> str:
@@ -108,7 +93,7 @@ def check_grad_error_without_1_over_n(fn: Callable[[int], float]) -> bool:
                 return False, f"n={n}: you predict {yours:.4g}, the simulation measures {measured:.4g}"
         return True, f"n=4: measured {measured_error_without_1_over_n(4):.4f}, as you predicted"
 
-    return _attempt("grad_error_without_1_over_n", check)
+    return attempt(check, "grad_error_without_1_over_n")
 
 
 EXERCISES: dict[str, Callable[[Callable], bool]] = {

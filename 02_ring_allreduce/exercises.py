@@ -15,24 +15,10 @@ from collections.abc import Callable
 
 import torch
 
+from common.exercise import attempt
+
 from .plan import all_gather_chunks, chunk_sizes, reduce_scatter_chunks
 from .ring import ring_traffic
-
-
-def _verdict(name: str, ok: bool, figure: str) -> bool:
-    print(f"{'✓' if ok else '✗'} {name}: {figure}")
-    return ok
-
-
-def _attempt(name: str, check: Callable[[], tuple[bool, str]]) -> bool:
-    """Run a check; a stub or a crash in the student's code is a ✗, never an exception."""
-    try:
-        ok, figure = check()
-    except NotImplementedError:
-        return _verdict(name, False, "not solved yet")
-    except Exception as error:  # the student's code may raise anything
-        return _verdict(name, False, f"your function raised {type(error).__name__}: {error}")
-    return _verdict(name, ok, figure)
 
 
 def check_ring_bytes_per_rank(fn: Callable[[int, int], float]) -> bool:
@@ -43,7 +29,7 @@ def check_ring_bytes_per_rank(fn: Callable[[int, int], float]) -> bool:
                 return False, f"S={S:,} B, n={n}: yours {yours:,.0f} B, ring.py sends {truth:,.0f} B"
         return True, f"S=1 MiB, n=64: {ring_traffic(2**20, 1, 0, 64)[0] / 2**20:.3f} MiB per rank, never 2 S"
 
-    return _attempt("ring_bytes_per_rank", check)
+    return attempt(check, "ring_bytes_per_rank")
 
 
 def play_reduce_scatter(schedule: Callable[[int, int, int], tuple[int, int]], n: int,
@@ -84,7 +70,7 @@ def check_reduce_scatter_schedule(fn: Callable[[int, int, int], tuple[int, int]]
                                    "the all-gather starts from rank r owning chunk r")
         return True, "n = 2 … 8: after n-1 steps rank r holds chunk r summed over every rank"
 
-    return _attempt("reduce_scatter_schedule", check)
+    return attempt(check, "reduce_scatter_schedule")
 
 
 def _overwrite(received: torch.Tensor, _own: torch.Tensor) -> torch.Tensor:
@@ -104,7 +90,7 @@ def check_broken_ring_survivor(fn: Callable[[int, int], int]) -> bool:
                                    f"data (10**{survivor}); you said rank {yours}")
         return True, "n = 2 … 6: every chunk holds one rank's data, and the all-gather copies it everywhere"
 
-    return _attempt("broken_ring_survivor", check)
+    return attempt(check, "broken_ring_survivor")
 
 
 EXERCISES: dict[str, Callable[[Callable], bool]] = {

@@ -18,21 +18,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from common.exercise import attempt
 from zero.accounting import memory_formula
 from zero.flat import make_groups
-
-
-def _run(body: Callable[[], tuple[bool, str]]) -> bool:
-    """Print ✓/✗ with the figure `body` reports; a stub or a crash is a ✗, never an exception."""
-    try:
-        ok, figure = body()
-    except NotImplementedError:
-        ok, figure = False, "not solved yet"
-    except Exception as error:  # a student's bug must print, not raise
-        ok, figure = False, f"{type(error).__name__}: {error}"
-    print(("✓ " if ok else "✗ ") + figure)
-    return ok
-
 
 # (Ψ, N, b_p, b_g, K): the paper's 7B, this engine's bf16 recipe (fp32 grads), float32 AdamW, SGD
 CASES = [(7_000_000_000, 8, 2, 2, 12), (7_000_000_000, 64, 2, 2, 12), (6_033_664, 4, 2, 4, 12),
@@ -50,7 +38,7 @@ def check_zero_bytes(zero_bytes: Callable) -> bool:
                     return False, (f"stage {stage}, Ψ={psi:,}, N={n}, b_p={b_p}, b_g={b_g}, K={k}: "
                                    f"yours {got:,.0f} B, memory_formula {want:,.0f} B")
         return True, "stages 0-3 × 5 cases: every total equals memory_formula (7B on 8: 112 → 14 GB)"
-    return _run(body)
+    return attempt(body)
 
 
 def check_owned_slice(owned_slice: Callable) -> bool:
@@ -69,7 +57,7 @@ def check_owned_slice(owned_slice: Callable) -> bool:
                         return False, (f"sizes {numels} (Σ = {sum(numels)}), N={n}, rank {r}: yours {got}, "
                                        f"the engine's [{want[0]}, {want[1]}) (padded to {group.padded})")
         return True, "5 layouts × N = 1, 2, 3, 4, 7, every rank: your slices are the engine's"
-    return _run(body)
+    return attempt(body)
 
 
 EXERCISES: dict[str, Callable[[Callable], bool]] = {"zero_bytes": check_zero_bytes,

@@ -15,19 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from types import SimpleNamespace
 
+from common.exercise import attempt
 from fsdp.flat_param import FlatParamHandle
-
-
-def _run(body: Callable[[], tuple[bool, str]]) -> bool:
-    """Print ✓/✗ with the figure `body` reports; a stub or a crash is a ✗, never an exception."""
-    try:
-        ok, figure = body()
-    except NotImplementedError:
-        ok, figure = False, "not solved yet"
-    except Exception as error:  # a student's bug must print, not raise
-        ok, figure = False, f"{type(error).__name__}: {error}"
-    print(("✓ " if ok else "✗ ") + figure)
-    return ok
 
 
 def handle_pieces(numels: list[int], n: int, r: int) -> list[tuple[int, int, int, int]]:
@@ -51,7 +40,7 @@ def check_shard_pieces(shard_pieces: Callable) -> bool:
                     if got != want:
                         return False, (f"sizes {numels}, N={n}, rank {r}:\n  yours  {got}\n  FSDP's {want}")
         return True, "5 units × N = 1, 2, 3, 4, 7, every rank: your pieces are FlatParamHandle's"
-    return _run(body)
+    return attempt(body)
 
 
 EXERCISES: dict[str, Callable[[Callable], bool]] = {"shard_pieces": check_shard_pieces}

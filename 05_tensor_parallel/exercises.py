@@ -19,20 +19,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from common.exercise import attempt
 from tensor_parallel import context_parallel
 from tensor_parallel.formulas import Shape, block_comm_bytes
-
-
-def _run(body: Callable[[], tuple[bool, str]]) -> bool:
-    """Print ✓/✗ with the figure `body` reports; a stub or a crash is a ✗, never an exception."""
-    try:
-        ok, figure = body()
-    except NotImplementedError:
-        ok, figure = False, "not solved yet"
-    except Exception as error:  # a student's bug must print, not raise
-        ok, figure = False, f"{type(error).__name__}: {error}"
-    print(("✓ " if ok else "✗ ") + figure)
-    return ok
 
 
 def check_shard(shard: Callable) -> bool:
@@ -62,7 +51,7 @@ def check_shard(shard: Callable) -> bool:
             if not error < 1e-12:
                 return False, f"t={t}: max |Σ_r Y_r − Y_dense| = {error:.3g} (want < 1e-12)"
         return True, f"t=1,2,4: Σ_r GeLU(X A_rᵀ) B_rᵀ equals the dense MLP (max error {error:.1e})"
-    return _run(body)
+    return attempt(body)
 
 
 def check_block_bytes(block_bytes: Callable) -> bool:
@@ -77,7 +66,7 @@ def check_block_bytes(block_bytes: Callable) -> bool:
                 return False, (f"b={b} s={s} h={h} t={t} e={e}: yours {got:,.0f} B, "
                                f"formulas.block_comm_bytes {want:,.0f} B")
         return True, "5 shapes, t = 1…8: every figure equals formulas.block_comm_bytes"
-    return _run(body)
+    return attempt(body)
 
 
 def check_zigzag_positions(zigzag_positions: Callable) -> bool:
@@ -97,7 +86,7 @@ def check_zigzag_positions(zigzag_positions: Callable) -> bool:
                 return False, (f"s={s} cp={cp} rank {r}: yours {got[r]} (work max/min over the ranks "
                                f"{balance:.2f}); chunks {r} and {2 * cp - 1 - r} of {2 * cp} are {want[r]}")
         return True, f"s ≤ 48, cp = 1…4: every rank's positions right; causal work max/min {balance:.2f}"
-    return _run(body)
+    return attempt(body)
 
 
 EXERCISES: dict[str, Callable[[Callable], bool]] = {"shard": check_shard, "block_bytes": check_block_bytes,

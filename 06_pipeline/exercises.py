@@ -14,20 +14,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+from common.exercise import attempt
 from pipeline.schedules import make_schedule, one_f_one_b
 from pipeline.simulator import bubble_fraction, closed_form_bubble, simulate
-
-
-def _run(body: Callable[[], tuple[bool, str]]) -> bool:
-    """Print ✓/✗ with the figure `body` reports; a stub or a crash is a ✗, never an exception."""
-    try:
-        ok, figure = body()
-    except NotImplementedError:
-        ok, figure = False, "not solved yet"
-    except Exception as error:  # a student's bug must print, not raise
-        ok, figure = False, f"{type(error).__name__}: {error}"
-    print(("✓ " if ok else "✗ ") + figure)
-    return ok
 
 
 def check_one_f_one_b_order(order: Callable) -> bool:
@@ -48,7 +37,7 @@ def check_one_f_one_b_order(order: Callable) -> bool:
                                        f"position {at})")
                     cases += 1
         return True, f"{cases} (p, m, rank) cases, p ≤ 6, m ≤ 10: every order equals pipeline.schedules"
-    return _run(body)
+    return attempt(body)
 
 
 def check_min_microbatches(min_microbatches: Callable) -> bool:
@@ -70,7 +59,7 @@ def check_min_microbatches(min_microbatches: Callable) -> bool:
                                    f"m − 1 gives {before:.4f}")
                 found.append(f"p={p},v={v}: {m}")
         return True, "smallest m for 10%: " + ", ".join(found[::2])
-    return _run(body)
+    return attempt(body)
 
 
 EXERCISES: dict[str, Callable[[Callable], bool]] = {"one_f_one_b_order": check_one_f_one_b_order,

@@ -15,22 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from common.exercise import attempt
 from common.model import CONFIGS
 from parallel3d.memory_model import parameters_per_gpu
 from parallel3d.mesh import coordinates
-
-
-def _run(body: Callable[[], tuple[bool, str]]) -> bool:
-    """Print ✓/✗ with the figure `body` reports; a stub or a crash is a ✗, never an exception."""
-    try:
-        ok, figure = body()
-    except NotImplementedError:
-        ok, figure = False, "not solved yet"
-    except Exception as error:  # a student's bug must print, not raise
-        ok, figure = False, f"{type(error).__name__}: {error}"
-    print(("✓ " if ok else "✗ ") + figure)
-    return ok
-
 
 MESHES = [(2, 2, 2), (1, 4, 2), (4, 2, 1), (2, 3, 4), (3, 1, 2)]  # (dp, pp, tp)
 
@@ -46,7 +34,7 @@ def check_rank_of(rank_of: Callable) -> bool:
                     return False, (f"dp {dp} × pp {pp} × tp {tp}: (pp {at.pp}, dp {at.dp}, tp {at.tp}) "
                                    f"is rank {rank} in mesh.py, yours says {got}")
         return True, "5 meshes, every rank: TP neighbours are consecutive ranks, as in mesh.py"
-    return _run(body)
+    return attempt(body)
 
 
 PLANS = [("llama3.1-405b", 8, 16), ("llama3.1-405b", 8, 8), ("llama2-70b", 4, 4), ("llama2-7b", 1, 1),
@@ -64,7 +52,7 @@ def check_params_per_gpu(params_per_gpu: Callable) -> bool:
                                f"({got - want:+,})")
         want = parameters_per_gpu(CONFIGS["llama3.1-405b"], 8, 16)
         return True, f"6 layouts exactly; Llama 3.1 405B at TP 8 × PP 16: ψ = {want / 1e9:.3f}B per GPU"
-    return _run(body)
+    return attempt(body)
 
 
 EXERCISES: dict[str, Callable[[Callable], bool]] = {"rank_of": check_rank_of,

@@ -21,10 +21,13 @@ import torch.distributed as dist
 from common.comm import CommMeter
 from common.wire import written_bytes
 
+# gloo on CPU only, by design: `wchar` counts this process's own writes, which NCCL's are not
+DEVICE = torch.device("cpu")
+
 
 def collectives(n: int, rank: int, numel: int) -> dict[str, Callable[[], None]]:
     """One closure per collective on a tensor of `numel` floats (the full size S)."""
-    full, shard = torch.ones(numel), torch.ones(numel // n)
+    full, shard = torch.ones(numel, device=DEVICE), torch.ones(numel // n, device=DEVICE)
     peer = rank ^ 1  # send/recv between pairs 0↔1, 2↔3
 
     def send_recv() -> None:
@@ -71,8 +74,8 @@ def main() -> None:
               "   written ÷ S, rank 0 … n-1")
     for numel in args.sizes:
         for name, op in collectives(n, rank, numel).items():
-            mine = torch.tensor(measure(op), dtype=torch.float64)
-            every = [torch.zeros(2, dtype=torch.float64) for _ in range(n)]
+            mine = torch.tensor(measure(op), dtype=torch.float64, device=DEVICE)
+            every = [torch.zeros(2, dtype=torch.float64, device=DEVICE) for _ in range(n)]
             dist.all_gather(every, mine)
             if rank == 0:
                 written, accounted = (sum(t[i].item() for t in every) / n for i in (0, 1))
