@@ -146,15 +146,3 @@ class CommMeter:
         self._originals.clear()
         CommMeter._active = None
 
-
-def all_gather_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op=False):
-    """`dist.all_gather_single` (torch >= 2.13), else `dist.all_gather_into_tensor`."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, input, group=group, async_op=async_op)
-
-
-def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, group=None, async_op=False):
-    """SUM reduce-scatter: `dist.reduce_scatter_single` (torch >= 2.13), else
-    `dist.reduce_scatter_tensor`. Never AVG (gloo on torch 2.5-2.8 silently returns the SUM)."""
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.comm import CommMeter, all_gather_single, reduce_scatter_single
+from common.collectives import all_gather_single, reduce_scatter_single
+from common.comm import CommMeter
 from common.data import ByteCorpus, SyntheticTokens, local_micro_batches
 from common.dist import LaunchError, env_world_size, pick_backend
 from common.memory import ActivationMeter, model_state_bytes, storage_bytes

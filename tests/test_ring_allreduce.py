@@ -28,7 +28,8 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.comm import CommMeter, all_gather_single
+from common.collectives import all_gather_single
+from common.comm import CommMeter
 from common.dist import init_distributed
 from common.model import get_config
 from common.p2p_plan import P2PRecorder, as_op, find_deadlock, plan_from_records
