@@ -17,13 +17,16 @@ endif
 CHAPTERS := 1 2 3 4 5 6 7
 RUNS     := $(addprefix run-,$(CHAPTERS))
 BENCHES  := $(addprefix bench-,$(CHAPTERS))
-.PHONY: setup test test-thorough lint notebooks lab bench bench-5-cp gpu-check clean help $(RUNS) $(BENCHES)
+TESTS    := $(addprefix test-,$(CHAPTERS) common checkpoints notebooks benches)
+.PHONY: setup test test-fast test-thorough $(TESTS) lint notebooks lab bench bench-5-cp gpu-check clean help $(RUNS) $(BENCHES)
 
 help:
 	@echo "make test            create .venv, install, run the equivalence suite (CI runs this)"
 	@echo "make run-N           launch chapter N with torchrun (NPROC=…, ARGS=\"--steps 50 …\")"
 	@echo "make bench-N         chapter N's benchmark against torch's built-in equivalent"
 	@echo "make bench-5-cp      context parallelism: ring attention vs the all-gather variant"
+	@echo "make test-fast       a contributor's few minutes: one example per property, no notebooks or launches"
+	@echo "make test-N          one chapter's tests (N = 1..7, common, checkpoints, notebooks, benches)"
 	@echo "make test-thorough   the suite with many hypothesis examples"
 	@echo "make notebooks       execute every lesson.ipynb in place"
 	@echo "make lab             install JupyterLab into the venv (the 'lab' extra) and open the lessons"
@@ -42,6 +45,12 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 # prints each chapter's seconds against its budget (tests/conftest.py).
 test: $(SETUP)
 	$(PY) -m pytest -q --durations=15
+
+test-fast: $(SETUP)
+	HYPOTHESIS_PROFILE=fast $(PY) -m pytest -q -x -m "not slow" --durations=10
+
+$(TESTS): test-%: $(SETUP)
+	PFS_CHAPTER=$* $(PY) -m pytest -q --durations=10
 
 test-thorough: $(SETUP)
 	HYPOTHESIS_PROFILE=thorough $(PY) -m pytest -q --durations=15

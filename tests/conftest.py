@@ -5,6 +5,9 @@ no shrinking and no example database, so a failing (or hanging) property reports
 failing example once and stops; the rank pool's per-call timeout is 60 s (tests/harness.py). At
 the end it prints the seconds each chapter's test files took against the chapter's budget.
 HYPOTHESIS_PROFILE=thorough (`make test-thorough`): many random examples, shrinking, 180 s.
+HYPOTHESIS_PROFILE=fast (`make test-fast`): one example per property, for a contributor's minutes.
+PFS_CHAPTER=N (`make test-N`, N = 1..7, or common / checkpoints / notebooks / benches): only that
+chapter's test files (the groups of BUDGET_S below).
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 settings.register_profile("ci", max_examples=3, deadline=None, derandomize=True, database=None,
                           phases=(Phase.explicit, Phase.generate),
                           suppress_health_check=[HealthCheck.too_slow], print_blob=True)
+settings.register_profile("fast", max_examples=1, deadline=None, derandomize=True, database=None,
+                          phases=(Phase.explicit, Phase.generate),
+                          suppress_health_check=[HealthCheck.too_slow], print_blob=True)
 settings.register_profile("thorough", max_examples=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow], print_blob=True)
 settings.load_profile(PROFILE)
@@ -33,7 +39,7 @@ torch.set_num_threads(1)
 # Seconds per chapter on an idle 2-core machine in the ci profile; together the 15 minutes that
 # `make test` may take. A rank pool's start-up is paid by the first file that uses its world size.
 BUDGET_S: dict[str, tuple[tuple[str, ...], float]] = {
-    "common, model, harness, loop": (("test_common.py", "test_model.py", "test_harness.py",
+    "common (model, harness, loop)": (("test_common.py", "test_model.py", "test_harness.py",
                                       "test_gpu_check.py", "test_training_loop.py",
                                       "test_construction.py"), 53),
     "01 data parallel": (("test_data_parallel*.py", "test_ddp_mechanics.py"), 68),
@@ -44,8 +50,8 @@ BUDGET_S: dict[str, tuple[tuple[str, ...], float]] = {
     "06 pipeline": (("test_pipeline*.py", "test_p2p_plan.py"), 52),
     "07 3D": (("test_3d*.py", "test_parallel3d*.py"), 155),
     "checkpoints": (("test_checkpoint*.py",), 80),
-    "lesson notebooks": (("test_notebooks.py", "test_exercises.py"), 188),
-    "benches exit": (("test_benches.py",), 67),
+    "notebooks (lessons, exercises)": (("test_notebooks.py", "test_exercises.py"), 188),
+    "benches (each exits)": (("test_benches.py",), 67),
 }
 _seconds: dict[str, float] = defaultdict(float)
 
@@ -89,10 +95,25 @@ def launches_torchrun(item: pytest.Item) -> bool:
     return "torchrun" in item.name or "run_chapter" in item.name  # gpu_check.run_chapter: torchrun
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests that launch their own processes run last, after the rank pools are closed (01's
-    torchrun test took 16.6 s among open pools, 8.4 s after them; idle pools use no measurable
-    CPU, so the cost is their memory and threads, not their work)."""
+def selected_chapter(chapter: str) -> str:
+    """The BUDGET_S group of `make test-N`: "3" → "03 ZeRO", "checkpoints" → "checkpoints"."""
+    names = [n for n in BUDGET_S if n.split()[0] in (chapter, f"0{chapter}")]
+    if len(names) != 1:
+        choices = ", ".join(n.split()[0].lstrip("0") for n in BUDGET_S)
+        raise pytest.UsageError(f"PFS_CHAPTER={chapter!r}: use one of {choices}")
+    return names[0]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """PFS_CHAPTER keeps one chapter's tests. Tests that launch their own processes run last,
+    after the rank pools are closed (01's torchrun test took 16.6 s among open pools, 8.4 s after
+    them; idle pools use no measurable CPU, so the cost is their memory and threads, not their
+    work)."""
+    if chapter := os.environ.get("PFS_CHAPTER"):
+        keep = selected_chapter(chapter)
+        dropped = [item for item in items if chapter_of(item.path.name) != keep]
+        items[:] = [item for item in items if chapter_of(item.path.name) == keep]
+        config.hook.pytest_deselected(items=dropped)
     def order(item: pytest.Item) -> float:
         if item.path.name in RUN_LAST:
             return RUN_LAST.index(item.path.name) + 1

@@ -1,20 +1,17 @@
 """Every chapter's bench.py runs to the end and exits, under the collective guard.
 
-Each bench runs at a tiny size on 2 CPU ranks under torchrun and `tests.collective_guard`, which
-fails the run when a collective gets a tensor that NCCL would reject (made without `device=`) or
-when the process group is destroyed while a torch DDP, FSDP2 module, ZeroRedundancyOptimizer or
-pipelining stage still holds it (the exit hang of pytorch#56297). A hard timeout catches a hang
-the guard does not foresee. The guard's own negative controls run in the rank pool.
+Each bench runs at a tiny size on 2 CPU ranks (forked as torchrun would start them: common.forkrun)
+under `tests.collective_guard`, which fails the run when a collective gets a tensor that NCCL
+would reject (made without `device=`) or when the process group is destroyed while a torch DDP,
+FSDP2 module, ZeroRedundancyOptimizer or pipelining stage still holds it (the exit hang of
+pytorch#56297). A hard timeout catches a hang the guard does not foresee. The guard's own
+negative controls run in the rank pool.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from common.bench import interleaved, seconds_per_call
+from common.forkrun import TIMEOUT_EXIT, ForkRun, forkrun
 from tests.collective_guard import (
     CollectiveGuard,
     LiveGroupHolderError,
@@ -49,24 +47,15 @@ BENCHES = {  # chapter directory: (ranks, the smallest flags that run every code
 pytestmark = pytest.mark.usefixtures("closed_pools")  # see conftest.RUN_LAST
 
 
-def run_bench(chapter: str, nproc: int, flags: list[str]) -> tuple[subprocess.CompletedProcess, float]:
+def run_bench(chapter: str, nproc: int, flags: list[str]) -> ForkRun:
+    """The bench as `torchrun -m tests.collective_guard SCRIPT FLAGS` would run it, on ranks forked
+    with torch already imported (common.forkrun: a run starts in milliseconds, not seconds)."""
     script = chapter if chapter.endswith(".py") else f"{chapter}/bench.py"  # a chapter's second bench
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "tests.collective_guard", script, *flags]
-    start = time.perf_counter()
-    # its own session, so that a timeout kills the ranks too, not only torchrun's agent
-    with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PFS_BACKEND": "gloo"}) as popen:
-        try:
-            stdout, stderr = popen.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(popen.pid, signal.SIGKILL)
-            stdout, stderr = popen.communicate()
-            pytest.fail(f"{chapter}/bench.py did not exit within {TIMEOUT_S} s (a hang at exit?):\n"
-                        f"{stderr[-2000:]}")
-    proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
-    return proc, time.perf_counter() - start
+    proc = forkrun("tests.collective_guard", script, *flags, module=True, nproc=nproc, cwd=REPO,
+                   env={"PFS_BACKEND": "gloo"}, timeout_s=TIMEOUT_S)
+    if proc.returncode == TIMEOUT_EXIT:
+        pytest.fail(f"{script} did not exit within {TIMEOUT_S} s (a hang at exit?):\n{proc.stderr[-2000:]}")
+    return proc
 
 
 def result_line(stdout: str) -> dict | list:
@@ -83,8 +72,8 @@ def result_line(stdout: str) -> dict | list:
 @pytest.mark.parametrize("chapter", list(BENCHES))
 def test_bench_exits_with_a_result_under_the_collective_guard(chapter):
     nproc, flags = BENCHES[chapter]
-    proc, seconds = run_bench(chapter, nproc, flags)
-    assert proc.returncode == 0, f"exit {proc.returncode} after {seconds:.0f} s:\n{proc.stderr[-3000:]}"
+    proc = run_bench(chapter, nproc, flags)
+    assert proc.returncode == 0, f"exit {proc.returncode} after {proc.seconds:.0f} s:\n{proc.stderr[-3000:]}"
     checked = re.findall(r"collective guard: rank (\d+) checked (\d+)", proc.stderr)
     assert len(checked) == nproc, proc.stderr[-2000:]  # the guard ran on every rank
     assert result_line(proc.stdout)

@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from common.collectives import all_gather_single
 from common.comm import CommMeter
 from common.dist import init_distributed
+from common.forkrun import torchrun_forked
 from common.model import get_config
 from common.p2p_plan import P2PRecorder, as_op, find_deadlock, plan_from_records
 from common.training import run
@@ -718,12 +719,11 @@ def test_bench_measures_every_cell_and_plots(pools, tmp_path, capsys):
 @pytest.mark.slow
 def test_torchrun_check_exits_zero_with_json_report(tmp_path):
     """`make run-2 NPROC=2 ARGS="--dtype float64 --check"` in miniature."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    proc = torchrun_forked(
+        ["--standalone", "--nproc-per-node", "2",
          "02_ring_allreduce/train.py", "--dtype", "float64", "--check", "--model", "tiny",
          "--steps", "2", "--bench-mb", "1", "--report", str(tmp_path / "r.json")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["check_passed"] and report["ring_vs_builtin"]["passed"]

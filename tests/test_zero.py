@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,6 +16,7 @@ from hypothesis import strategies as st
 
 from common.comm import CommMeter
 from common.dist import init_distributed
+from common.forkrun import torchrun_forked
 from common.model import TransformerBlock, build_model, get_config
 from common.training import rank_micro_batches, train
 from tests.equivalence import (
@@ -522,12 +520,11 @@ def test_dataclass_config_replace_keeps_validation_rules():
 @pytest.mark.slow
 def test_torchrun_with_the_articles_stage2_config_checks_and_reports(tmp_path):
     """The issue's `make run-3 ARGS="--config 03_zero/configs/stage2.json"` (2 ranks, tiny)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    proc = torchrun_forked(
+        ["--standalone", "--nproc-per-node", "2",
          "03_zero/train.py", "--config", f"{CONFIGS}/stage2.json", "--model", "tiny", "--steps", "2",
          "--check", "--log-every", "0", "--report", str(tmp_path / "r.json")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["check_passed"] and report["mixed_precision"] == "bf16" and report["grad_accum"] == 4
