@@ -18,7 +18,7 @@ CHAPTERS := 1 2 3 4 5 6 7
 RUNS     := $(addprefix run-,$(CHAPTERS))
 BENCHES  := $(addprefix bench-,$(CHAPTERS))
 TESTS    := $(addprefix test-,$(CHAPTERS) common checkpoints notebooks benches)
-.PHONY: setup test test-fast test-thorough $(TESTS) lint notebooks lab bench bench-5-cp gpu-check clean help $(RUNS) $(BENCHES)
+.PHONY: lab-check setup test test-fast test-thorough $(TESTS) lint notebooks lab bench bench-5-cp gpu-check clean help $(RUNS) $(BENCHES)
 
 help:
 	@echo "make test            create .venv, install, run the equivalence suite (CI runs this)"
@@ -29,6 +29,7 @@ help:
 	@echo "make test-N          one chapter's tests (N = 1..7, common, checkpoints, notebooks, benches)"
 	@echo "make test-thorough   the suite with many hypothesis examples"
 	@echo "make notebooks       execute every lesson.ipynb in place"
+	@echo "make lab-check N=1   grade your lab (0N_*/lab.py) against one device; SOLUTION=1 grades the reference"
 	@echo "make lab             install JupyterLab into the venv (the 'lab' extra) and open the lessons"
 	@echo "make lint            ruff check"
 	@echo "make gpu-check       every chapter on NCCL + a bf16 throughput/MFU benchmark (CUDA only)"
@@ -60,6 +61,13 @@ lint: $(SETUP)
 
 notebooks: $(SETUP)
 	$(PY) -m common.notebooks --in-place
+
+# The labs: you write a chapter's mechanism in 0N_*/lab.py; the grader runs its equivalence
+# properties on your file and prints a verdict per property (common/grader.py).
+N ?=
+lab-check: $(SETUP)
+	@test -n "$(N)" || { echo "usage: make lab-check N=<chapter 1-7> [SOLUTION=1] [FILE=path]"; exit 2; }
+	$(PY) -m common.grader $(N) $(if $(SOLUTION),--solution) $(if $(FILE),--file $(FILE))
 
 # JupyterLab is not part of `make test`'s install: the optional extra `lab`, installed on first use.
 LAB_URL ?= /lab/tree/01_data_parallel/lesson.ipynb

@@ -51,6 +51,7 @@ BUDGET_S: dict[str, tuple[tuple[str, ...], float]] = {
     "07 3D": (("test_3d*.py", "test_parallel3d*.py"), 155),
     "checkpoints": (("test_checkpoint*.py",), 80),
     "notebooks (lessons, exercises)": (("test_notebooks.py", "test_exercises.py"), 188),
+    "labs (the grader on each lab)": (("test_lab_*.py",), 180),
     "benches (each exits)": (("test_benches.py",), 67),
 }
 _seconds: dict[str, float] = defaultdict(float)
