@@ -1,29 +1,35 @@
-"""Chapter 07: 3D parallelism (TP × PP × FSDP on one mesh) and the planner.
+"""Chapter 07: 3D parallelism (TP × PP × FSDP on one mesh, CP as a fourth dimension) and the planner.
 
-The trainer (use 04–06 and common/):
-    parallelize.py     parallelize_3d(model, mesh, config, device) -> (chunks, tp_specs): the recipe,
-                       apply_pipeline_split → apply_tensor_parallel → apply_context_parallel
-                       (cp > 1) → apply_recompute → apply_fsdp (over the DP × CP group)
-    train.py           Parallel3DStrategy on the shared loop; flags and validation
-    comm_formulas.py   the trainer's exact bytes per step
-
-Core files (import only torch):
-    mesh.py            mesh_shape(world, tp, pp, dp=None, cp=1) -> (dp, pp, cp, tp) or MeshError;
-                       group_ranks(dp, pp, tp, cp=1); init_device_mesh(tp, pp, dp, cp=cp) ->
-                       DeviceMesh3D (TP innermost, then CP, DP, PP outermost; .tp_group/.cp_group/
-                       .dp_group/.dp_cp_group (FSDP's)/.pp_group)
+The pieces a trainer calls (core files: torch, common's kernel, chapters 04–06 by package name):
+    mesh.py            build_mesh(tp, pp, dp=None, cp=1) -> ParallelMesh (TP innermost, then CP,
+                       DP, PP outermost; .tp_group/.cp_group/.dp_group/.dp_cp_group (FSDP's)/
+                       .pp_group); mesh_shape(world, tp, pp, dp=None, cp=1) -> (dp, pp, cp, tp)
+                       or MeshError; group_ranks(dp, pp, tp, cp=1)
+    parallelize.py     parallelize_3d(model, mesh, Parallel3DConfig(...), device) -> (chunks,
+                       tp_specs): the recipe, apply_pipeline_split → apply_tensor_parallel →
+                       apply_context_parallel (cp > 1) → apply_recompute → apply_fsdp (over the
+                       DP × CP group); activation_shape, rank_inputs (what the chunks take)
+    shards.py          shard_map(chunks, tp_specs, mesh) -> ShardMap: which elements of which
+                       reference tensor this rank holds; gather_full (for --check)
+    clip.py            clip_grad_norm_3d(shards, max_norm): the true global norm
     recompute.py       apply_recompute(blocks, "none" | "full" | "selective"), CheckpointWrapper
     lr_schedule.py     warmup_cosine(step, total, warmup, min_ratio), warmup_cosine_scheduler
+    accounting.py      Rank3D and its closed forms (memory, activations; comm_formulas.py: bytes)
 
-The planner (use common/): memory_model.py (per-GPU memory and traffic of a layout), planner.py
-(`python -m parallel3d.planner --model llama2-70b --gpus 64 --gpu-mem-gb 80`).
+The demo: train.py (validate → Train3DConfig, Parallel3DStrategy on the shared loop).
+The planner (use common/): memory_model.py (per-GPU memory and traffic of a layout) and
+planner/ (`python -m parallel3d.planner --model llama2-70b --gpus 64 --gpu-mem-gb 80`).
 Checkpoints: the subpackage checkpoint/ (parallel3d.checkpoint, its lesson is its README.md).
 """
 
+from .clip import clip_grad_norm_3d
 from .lr_schedule import warmup_cosine, warmup_cosine_scheduler
-from .mesh import DeviceMesh3D, MeshError, group_ranks, init_device_mesh, mesh_shape
+from .mesh import MeshError, ParallelMesh, build_mesh, group_ranks, mesh_shape
+from .parallelize import Parallel3DConfig, activation_shape, parallelize_3d, rank_inputs
 from .recompute import CheckpointWrapper, apply_recompute
+from .shards import HeldPiece, ShardMap, gather_full, shard_map
 
-__all__ = ["CheckpointWrapper", "DeviceMesh3D", "MeshError", "apply_recompute",
-           "group_ranks", "init_device_mesh", "mesh_shape",
+__all__ = ["CheckpointWrapper", "HeldPiece", "MeshError", "Parallel3DConfig", "ParallelMesh",
+           "ShardMap", "activation_shape", "apply_recompute", "build_mesh", "clip_grad_norm_3d",
+           "gather_full", "group_ranks", "mesh_shape", "parallelize_3d", "rank_inputs", "shard_map",
            "warmup_cosine", "warmup_cosine_scheduler"]

@@ -27,6 +27,8 @@ import math
 
 import torch
 
+from fsdp import UnitShard
+from parallel3d.accounting import Rank3D
 from tensor_parallel.formulas import Shape, cp_comm_bytes, microbatch_comm_bytes
 
 # Forward collectives a recomputed block runs again, (all-gathers or f's, reduce-scatters or g's).
@@ -61,14 +63,12 @@ def cp_bytes_per_microbatch(cfg, t: int, c: int, b: int, s: int, e: int, recompu
     return n_blocks * (sum(terms.values()) + rerun)
 
 
-def cp_bytes_per_step(strategy, steps: int) -> float:
+def cp_bytes_per_step(r: Rank3D, steps: int) -> float:
     """Per rank over `steps` steps: the CP ring's point-to-point sends, every micro-batch through
     every block of this rank's chunks."""
-    mesh, args = strategy.mesh3d, strategy.args
-    blocks = sum(len(chunk.module.layers) for chunk in strategy.chunks)
-    return steps * strategy.schedule.m * cp_bytes_per_microbatch(
-        strategy.cfg, mesh.tp, mesh.cp, strategy.layout.micro_batch, args.seq_len,
-        strategy.compute_dtype.itemsize, args.activation_checkpointing, blocks)
+    return steps * r.schedule.m * cp_bytes_per_microbatch(
+        r.cfg, r.sizes.tp, r.sizes.cp, r.micro_batch, r.seq_len, r.elem,
+        r.parallel.activation_checkpointing, sum(r.chunk_blocks))
 
 
 def fsdp_gathers(actions, root: bool, full_shard: bool, backward: str = "B",
@@ -88,37 +88,41 @@ def fsdp_gathers(actions, root: bool, full_shard: bool, backward: str = "B",
     return count
 
 
-def comm_bytes_per_step(strategy, steps: int) -> float:
+def fsdp_unit_bytes(unit: UnitShard, d: int, gathers: int, reductions: int) -> float:
+    """FSDP's wire bytes for one unit over a step, on a group of d ranks: `gathers` all-gathers
+    of its padded flat tensor, `reductions` reduce-scatters of its gradient (NO_SHARD:
+    all-reduces). The one place 07 prices FSDP; chapter 04 owns the formula (switch here)."""
+    reduced = unit.padded_numel * unit.reduce_dtype.itemsize
+    if unit.shard_world > 1:
+        return gathers * ring(d) * unit.full_bytes + reductions * ring(d) * reduced
+    return reductions * ring(d, 2) * reduced if d > 1 else 0.0
+
+
+def comm_bytes_per_step(r: Rank3D, steps: int) -> float:
     """Per rank over `steps` steps: TP + CP + PP + FSDP + clipping (see the module doc)."""
-    args, cfg, sched, mesh = strategy.args, strategy.cfg, strategy.schedule, strategy.mesh3d
-    t, cp, d, rank = mesh.tp, mesh.cp, mesh.dp * mesh.cp, mesh.pp_rank
-    s = args.seq_len // cp
-    b, e = strategy.layout.micro_batch, strategy.compute_dtype.itemsize
+    cfg, sched, par = r.cfg, r.schedule, r.parallel
+    t, d, rank = r.sizes.tp, r.sizes.dp * r.sizes.cp, r.at.pp
+    s, b, e = r.seq_len // r.sizes.cp, r.micro_batch, r.elem
     total = 0.0
     actions = sched.actions[rank]
-    for c, chunk in enumerate(strategy.chunks):
+    full_shard = par.sharding_strategy == "FULL_SHARD"
+    for c, units in enumerate(r.chunk_units):
         stage = sched.stage(rank, c)
         mine = [a for a in actions if a.chunk == c]
-        n_blocks = len(chunk.module.layers)
-        per_mb = tp_bytes_per_microbatch(cfg, t, b, s, e, strategy.sp, args.activation_checkpointing,
-                                         n_blocks, stage == 0, stage == sched.n_stages - 1)
+        per_mb = tp_bytes_per_microbatch(cfg, t, b, s, e, par.sequence_parallel,
+                                         par.activation_checkpointing, r.chunk_blocks[c], stage == 0,
+                                         stage == sched.n_stages - 1)
         total += sched.m * per_mb
         backwards = sum(a.kind == "B" for a in mine)  # = W's under ZB: one reduction each
         backward = "W" if sched.split_backward and stage == 0 else "B"
         ends = (("W",) if stage == 0 else ("B", "W")) if sched.split_backward else ("B",)
-        full_shard = strategy.sharding.name == "FULL_SHARD"
-        for unit in chunk.shard_layout():
-            if unit.shard_world > 1:
-                gathers = fsdp_gathers(mine, unit.name == "", full_shard, backward, ends)
-                total += gathers * ring(d) * unit.full_bytes
-                total += backwards * ring(d) * unit.padded_numel * unit.reduce_dtype.itemsize
-            elif d > 1:
-                total += backwards * ring(d, 2) * unit.padded_numel * unit.reduce_dtype.itemsize
-    total += cp_bytes_per_step(strategy, 1)
-    message = math.prod(strategy.activation_shape) * e
+        for unit in units:
+            gathers = fsdp_gathers(mine, unit.name == "", full_shard, backward, ends)
+            total += fsdp_unit_bytes(unit, d, gathers, backwards)
+    total += cp_bytes_per_step(r, 1)
+    message = math.prod(r.activation_shape) * e
     total += message * sum(sched.send(rank, a) is not None for a in actions)
-    if strategy.clip_grad is not None:
-        world = mesh.size
-        sq_bytes = 8 if strategy.unit_shards[0].flat_param.dtype == torch.float64 else 4
-        total += ring(world, 2) * sq_bytes
+    if r.clip:
+        sq_bytes = 8 if r.units[0].flat_param.dtype == torch.float64 else 4
+        total += ring(math.prod(r.sizes), 2) * sq_bytes
     return steps * total

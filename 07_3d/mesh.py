@@ -93,9 +93,10 @@ def group_ranks(dp: int, pp: int, tp: int, cp: int = 1) -> dict[str, list[list[i
 
 
 @dataclass
-class DeviceMesh3D:
-    """This rank's place on the mesh (3D, plus CP as a fourth dimension) and the process group of
-    each of its lines."""
+class ParallelMesh:
+    """This rank's place on the mesh (pp × dp × cp × tp: the three dimensions of 3D parallelism
+    and CP as a fourth) and the process group of each of its lines. Not torch's DeviceMesh: our
+    own name, for our own layout."""
 
     dp: int
     pp: int
@@ -153,13 +154,15 @@ class DeviceMesh3D:
         return {"dp": self.dp, "pp": self.pp, **({"cp": self.cp} if self.cp > 1 else {}), "tp": self.tp}
 
 
-def init_device_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, backend: str | None = None,
-                     cp: int = 1) -> DeviceMesh3D:
+def build_mesh(tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1,
+               backend: str | None = None) -> ParallelMesh:
     """Create every TP, CP, DP, DP×CP and PP group (collective: every rank calls it with the same
-    sizes) and return this rank's mesh."""
+    sizes) and return this rank's mesh; dp = world / (pp·cp·tp) when omitted. (torch's
+    `init_device_mesh(device_type, mesh_shape, mesh_dim_names=...)` builds a torch DeviceMesh;
+    this builds ours, in the order above.)"""
     world, rank = dist.get_world_size(), dist.get_rank()
     dp, pp, cp, tp = mesh_shape(world, tp, pp, dp, cp)
-    mesh = DeviceMesh3D(dp, pp, tp, rank, cp)
+    mesh = ParallelMesh(dp, pp, tp, rank, cp)
     created: dict[tuple[int, ...], object] = {}
     for dim, lines in group_ranks(dp, pp, tp, cp).items():
         for members in lines:

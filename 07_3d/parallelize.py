@@ -7,40 +7,75 @@ recompute, FSDP-wrap.
                  → flat shards over the DP × CP group (04: the CP ranks hold the same parameters)
 
 Under CP a rank holds the zig-zag chunks cp_rank and 2·cp−1−cp_rank of each sequence (s/cp
-tokens), so its RoPE tables are taken at those global positions.
+tokens), so its RoPE tables are taken at those global positions, and `rank_inputs` gives it
+those tokens of each micro-batch.
 
 Nothing is drawn before the last step: each FSDP unit generates, from the seed, the full tensors
-that overlap this rank's shard, cuts their TP piece and keeps its 1/dp. `config`: the trainer's
-flags (schedule, virtual_stages, sequence_parallel, activation_checkpointing, sharding_strategy,
-mixed_precision, seed).
+that overlap this rank's shard, cuts their TP piece and keeps its 1/dp. A user's own trainer:
+
+    mesh = build_mesh(tp=2, pp=2)
+    config = Parallel3DConfig(schedule="1f1b", sequence_parallel=True)
+    chunks, tp_specs = parallelize_3d(build_model(cfg, device="meta"), mesh, config, device)
+    shards = shard_map(chunks, tp_specs, mesh)                        (shards.py)
+    ... PipelineExecutor(...).run(...); clip_grad_norm_3d(shards, 1.0); optimizer.step()
 """
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 
-from common.model import Llama, TransformerBlock, initializer, rope_cos_sin
+from common.model import Llama, LlamaConfig, TransformerBlock, initializer, rope_cos_sin
 from fsdp import FSDP, MixedPrecision, ModuleWrapPolicy, ShardingStrategy
-from parallel3d.mesh import DeviceMesh3D
-from parallel3d.recompute import CheckpointWrapper, apply_recompute, unwrapped_name
+from parallel3d.mesh import ParallelMesh
+from parallel3d.recompute import MODES, CheckpointWrapper, apply_recompute, unwrapped_name
 from pipeline import PipelineStage, split_model
-from pipeline.schedules import virtual_stages
+from pipeline.schedules import SCHEDULES, virtual_stages
 from tensor_parallel import (
     TPShard,
     local_piece,
     parallelize_blocks,
     parallelize_embedding,
     parallelize_head,
+    shard_sequence,
     tp_shard_specs,
     zigzag_positions,
 )
 from tensor_parallel import apply_context_parallel as context_parallel
 
 
-def parallelize_3d(model: Llama, mesh: DeviceMesh3D, config: argparse.Namespace,
+@dataclass(frozen=True)
+class Parallel3DConfig:
+    """The recipe's choices (train.py's flags of the same names). `virtual_stages` None: the
+    schedule's default (2 for interleaved, else 1); `mixed_precision` "bf16": compute in bf16,
+    fp32 master shards and gradient reduction; `seed`: the reference model's init."""
+
+    schedule: str = "1f1b"
+    virtual_stages: int | None = None
+    sequence_parallel: bool = False
+    activation_checkpointing: str = "none"  # none | selective | full
+    sharding_strategy: str = "FULL_SHARD"  # FULL_SHARD | SHARD_GRAD_OP | NO_SHARD
+    mixed_precision: str = "none"  # none | bf16
+    seed: int = 0
+
+    def __post_init__(self):
+        for field, value, allowed in (("schedule", self.schedule, SCHEDULES),
+                                      ("activation_checkpointing", self.activation_checkpointing, MODES),
+                                      ("sharding_strategy", self.sharding_strategy,
+                                       tuple(ShardingStrategy.__members__)),
+                                      ("mixed_precision", self.mixed_precision, ("none", "bf16"))):
+            if value not in allowed:
+                raise ValueError(f"Parallel3DConfig({field}={value!r}): use one of {', '.join(allowed)}")
+
+    @property
+    def v(self) -> int:
+        """Model chunks per pipeline rank."""
+        return virtual_stages(self.schedule, self.virtual_stages)
+
+
+def parallelize_3d(model: Llama, mesh: ParallelMesh, config: Parallel3DConfig,
                    device: torch.device) -> tuple[list[FSDP], dict[str, TPShard]]:
     """This rank's FSDP-wrapped chunks, and the TPShard of every reference parameter they hold."""
     chunks = apply_pipeline_split(model, mesh, config)
@@ -53,12 +88,11 @@ def parallelize_3d(model: Llama, mesh: DeviceMesh3D, config: argparse.Namespace,
     return apply_fsdp(chunks, mesh, config, tp_specs, init, device), tp_specs
 
 
-def apply_pipeline_split(model: Llama, mesh: DeviceMesh3D, config: argparse.Namespace) -> list[PipelineStage]:
+def apply_pipeline_split(model: Llama, mesh: ParallelMesh, config: Parallel3DConfig) -> list[PipelineStage]:
     """06: this rank's stages pp_rank, pp + pp_rank, … of the S = pp·v."""
     rope = partial(sequence_rope, model.cfg, mesh.tp if config.sequence_parallel else 1, mesh.cp,
                    mesh.cp_rank)
-    v = virtual_stages(config.schedule, config.virtual_stages)
-    return split_model(model, mesh.pp, v, mesh.pp_rank, rope=rope)
+    return split_model(model, mesh.pp, config.v, mesh.pp_rank, rope=rope)
 
 
 def sequence_rope(cfg, tp: int, cp: int, cp_rank: int, positions: torch.Tensor, dtype: torch.dtype):
@@ -88,7 +122,7 @@ def apply_tensor_parallel(chunks: list[PipelineStage], group, sp: bool) -> dict[
     return {name: spec for chunk in chunks for name, spec in tp_shard_specs(chunk, group).items()}
 
 
-def apply_fsdp(chunks: list[PipelineStage], mesh: DeviceMesh3D, config: argparse.Namespace,
+def apply_fsdp(chunks: list[PipelineStage], mesh: ParallelMesh, config: Parallel3DConfig,
                tp_specs: dict[str, TPShard], init, device: torch.device) -> list[FSDP]:
     """04: one unit per block (its recompute wrapper under full recomputation), the rest of the
     chunk as the root unit, sharded over the DP × CP group (gradients averaged over its dp·cp
@@ -104,3 +138,21 @@ def apply_fsdp(chunks: list[PipelineStage], mesh: DeviceMesh3D, config: argparse
     return [FSDP(c, process_group=mesh.dp_cp_group, sharding_strategy=sharding, mixed_precision=mp,
                  auto_wrap_policy=ModuleWrapPolicy({unit}), device_id=device, param_init_fn=tp_piece)
             for c in chunks]
+
+
+# --- what the chunks take: the pipeline's message shape, this rank's tokens ---------------------
+
+def activation_shape(cfg: LlamaConfig, mesh: ParallelMesh, config: Parallel3DConfig, micro_batch: int,
+                     seq_len: int) -> tuple[int, int, int]:
+    """The [b, s/cp (/tp under SP), h] activation a pipeline stage sends to the next."""
+    return micro_batch, seq_len // mesh.cp // (mesh.tp if config.sequence_parallel else 1), cfg.dim
+
+
+def rank_inputs(tokens: torch.Tensor, mesh: ParallelMesh) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets of a micro-batch of token rows [mb, s + 1]; under CP this rank's
+    zig-zag chunks of both (the same positions: the target of token i stays beside it)."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    if mesh.cp == 1:
+        return inputs, targets
+    return (shard_sequence(inputs, mesh.cp, mesh.cp_rank, dim=1),
+            shard_sequence(targets, mesh.cp, mesh.cp_rank, dim=1))

@@ -8,6 +8,8 @@ input fails on every rank before any collective."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
+from unittest import mock
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ import torch
 from common.dist import init_distributed
 from common.model import LlamaConfig
 from parallel3d import train as train3d
+from parallel3d.clip import clip_grad_norm_3d
 from parallel3d.comm_formulas import cp_bytes_per_step
 from parallel3d.train import Parallel3DStrategy
 from tests.equivalence import TrainSpec, check_strategy, check_strategy_rejected, spec_args
@@ -29,7 +32,7 @@ def flags(dp: int, pp: int, cp: int, tp: int, sp: bool = False, ac: str = "none"
 
 def strategy_cp(spec: TrainSpec, chapter_flags: dict, cls=Parallel3DStrategy, args=None):
     args = args or spec_args(spec, **chapter_flags)
-    return cls(args, init_distributed(), train3d.validate(args, spec.world_size))
+    return cls(train3d.validate(args, spec.world_size), init_distributed())
 
 
 CFG = LlamaConfig(dim=16, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=32, multiple_of=8)  # GQA
@@ -57,10 +60,13 @@ class CPReplicasCountedTwice(Parallel3DStrategy):
     """Clipping's norm counts a NO_SHARD unit on every CP rank of DP rank 0 (only the dp × cp
     group's rank 0 should): the squared norm cp times too large."""
 
-    def _counted_segments(self):
-        if self.mesh3d.dp_rank != 0:
-            return []
-        return [(i, 0, u.shard_numel) for i, u in enumerate(self.unit_shards)]
+    def step(self):
+        on_dp_rank_0 = self.device_mesh.dp_rank == 0
+        shards = replace(self.shards, pieces=tuple(replace(p, counted=on_dp_rank_0)
+                                                   for p in self.shards.pieces))
+        with mock.patch("parallel3d.train.clip_grad_norm_3d",
+                        lambda _, max_norm: clip_grad_norm_3d(shards, max_norm)):
+            super().step()
 
 
 def test_cp_replicas_double_counted_in_clipping_are_rejected(pools):
@@ -80,7 +86,8 @@ def metered_step(spec: TrainSpec, chapter_flags: dict) -> tuple[float, float, fl
         strategy.forward_backward(micro)
         strategy.step()
         strategy.zero_grad()
-    return meter.bytes_sent, strategy.formulas(1)[0], strategy._cp_sent[0], cp_bytes_per_step(strategy, 1)
+    return (meter.bytes_sent, strategy.formulas(1)[0], strategy.cp_sent[0],
+            cp_bytes_per_step(strategy.rank3d, 1))
 
 
 @pytest.mark.parametrize("chapter, mixed", [
@@ -127,10 +134,10 @@ def test_bad_cp_input_fails_on_every_rank_before_any_collective(pools):
             assert error is not None and re.search(message, error), (argv, error)
 
 
-def build_cp(mesh: tuple[int, int, int, int], steps: int):
+def build_cp(mesh: tuple[int, int, int, int], steps: int, root: str):
     dp, pp, cp, tp = mesh
     spec = TrainSpec(**{**SPEC.__dict__, "world_size": dp * pp * cp * tp, "dp": dp, "steps": steps})
-    args = spec_args(spec, checkpoint_dir=None, save_every=0, resume="never", keep=2,
+    args = spec_args(spec, checkpoint_dir=root, save_every=0, resume="never", keep=2,
                      **{**flags(dp, pp, cp, tp), "lr_schedule": "cosine", "warmup_steps": 1})
     return strategy_cp(spec, {}, args=args), spec
 
@@ -150,11 +157,13 @@ def saved_or_resumed(root: str, mesh: tuple[int, int, int, int], resume: bool) -
     """3 steps on `mesh`: uninterrupted, saving after step 1; or resumed from that checkpoint."""
     from parallel3d.checkpoint.trainer import load_trainer_state, save_trainer_state
 
-    strategy, spec = build_cp(mesh, steps=3)
-    start = load_trainer_state(strategy, root) if resume else 0
+    strategy, spec = build_cp(mesh, steps=3, root=root)
+    plan = strategy.config.checkpoint
+    state, ident = strategy.checkpoints.state, {"data": plan.data, "config": plan.config}
+    start = load_trainer_state(state, root, **ident) if resume else 0
     if not resume:
         train_steps(strategy, spec, 0, 1)
-        save_trainer_state(strategy, root, 1)
+        save_trainer_state(state, root, 1, **ident)
         start = 1
     train_steps(strategy, spec, start, 3)
     return strategy.full_parameters()

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from common.clip import clip_grad_norm_
 from common.model import build_model, get_config
 from parallel3d.memory_model import stage_layers
-from parallel3d.mesh import MeshError, coordinates, group_ranks, init_device_mesh, mesh_shape
+from parallel3d.mesh import MeshError, build_mesh, coordinates, group_ranks, mesh_shape
 
 
 def test_rank_layout_tp_innermost_then_dp_then_pp():
@@ -63,7 +63,7 @@ DIMS = ("tp", "cp", "dp", "dp_cp", "pp")
 
 def build_and_probe(tp: int, pp: int, cp: int = 1) -> dict:
     """Each rank: build the mesh, then all-reduce its global rank over each of its groups."""
-    mesh = init_device_mesh(tp=tp, pp=pp, cp=cp)
+    mesh = build_mesh(tp=tp, pp=pp, cp=cp)
     sums = {}
     for dim in DIMS:
         x = torch.tensor([float(mesh.rank)])

@@ -5,6 +5,7 @@ on every rank before any collective."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from unittest import mock
 
 import pytest
@@ -15,6 +16,9 @@ from hypothesis import strategies as st
 from common.dist import init_distributed
 from common.model import LlamaConfig
 from parallel3d import train as train3d
+from parallel3d.accounting import activation_formula
+from parallel3d.clip import clip_grad_norm_3d
+from parallel3d.shards import ShardMap
 from parallel3d.train import Parallel3DStrategy
 from pipeline.backward_split import backward_weight
 from tests.equivalence import (
@@ -40,7 +44,7 @@ def flags(dp: int, pp: int, tp: int, schedule: str = "1f1b", virtual: int | None
 
 def strategy_3d(spec: TrainSpec, chapter_flags: dict, cls=Parallel3DStrategy):
     args = spec_args(spec, **chapter_flags)
-    return cls(args, init_distributed(), train3d.validate(args, spec.world_size))
+    return cls(train3d.validate(args, spec.world_size), init_distributed())
 
 
 @st.composite
@@ -149,11 +153,18 @@ def test_zero_bubble_memory_after_step_k_does_not_grow_with_k(pools):
 
 # --- negative controls: the same check must reject a broken 3D trainer ---------------------------
 
+def every_piece_counted(shards: ShardMap, max_norm: float) -> torch.Tensor:
+    """The broken clipping: every piece this rank holds enters the norm, replicas included."""
+    everything = replace(shards, pieces=tuple(replace(p, counted=True) for p in shards.pieces))
+    return clip_grad_norm_3d(everything, max_norm)
+
+
 class ReplicasCountedTwice(Parallel3DStrategy):
     """Clipping norm with every TP replica of the norm weights counted (sqrt(t) too large)."""
 
-    def _counted_segments(self):
-        return [(i, 0, u.shard_numel) for i, u in enumerate(self.unit_shards)]
+    def step(self):
+        with mock.patch("parallel3d.train.clip_grad_norm_3d", every_piece_counted):
+            super().step()
 
 
 class NoDataParallelAverage(Parallel3DStrategy):
@@ -161,9 +172,9 @@ class NoDataParallelAverage(Parallel3DStrategy):
 
     def forward_backward(self, micro_batches):
         loss = super().forward_backward(micro_batches)
-        for u in self.unit_shards:
+        for u in self.shards.units:
             if u.flat_param.grad is not None:
-                u.flat_param.grad.mul_(self.mesh3d.dp)
+                u.flat_param.grad.mul_(self.device_mesh.dp)
         return loss
 
 
@@ -240,7 +251,7 @@ def measured_activations(spec: TrainSpec, chapter_flags: dict) -> tuple[float, f
                                spec.micro_batch, torch.device("cpu"))
     with strategy.activation_meter() as meter:
         strategy.forward_backward(micro)
-    return meter.peak_bytes, strategy.activation_formula()
+    return meter.peak_bytes, activation_formula(strategy.rank3d)
 
 
 @pytest.mark.parametrize("chapter", [

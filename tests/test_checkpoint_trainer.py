@@ -28,11 +28,13 @@ from parallel3d import train as train3d
 from parallel3d.checkpoint.load import read_full
 from parallel3d.checkpoint.save import CheckpointError
 from parallel3d.checkpoint.trainer import (
+    TrainerState,
     checkpoint_to_resume,
     data_identity,
     data_mismatch,
     load_trainer_state,
     save_trainer_state,
+    trainer_config,
     validate_checkpoint_flags,
 )
 from parallel3d.lr_schedule import warmup_cosine_scheduler
@@ -57,32 +59,42 @@ def make_args(mesh, steps: int = TOTAL, **checkpoint_flags):
 
 def build(mesh, steps: int = TOTAL):
     args = make_args(mesh, steps)
-    layout = train3d.validate(args, math.prod(mesh))
-    return train3d.Parallel3DStrategy(args, init_distributed(), layout), layout, args
+    config = train3d.validate(args, math.prod(mesh))
+    return train3d.Parallel3DStrategy(config, init_distributed()), config, args
 
 
-def train(strategy, layout, args, start: int, stop: int) -> None:
+def identity(args) -> dict:
+    """What save_trainer_state / load_trainer_state check a checkpoint against."""
+    return {"data": data_identity(args), "config": trainer_config(CFG, args.optimizer)}
+
+
+def train(strategy, config, args, start: int, stop: int) -> None:
     data = SyntheticTokens(CFG.vocab_size, args.seq_len, args.seed)
     for step in range(start, stop):
         tokens = data.global_batch(step, args.global_batch)
-        strategy.forward_backward(rank_micro_batches(strategy, tokens, layout.micro_batch, strategy.device))
+        strategy.forward_backward(rank_micro_batches(strategy, tokens, config.micro_batch, strategy.device))
         strategy.step()
         strategy.zero_grad()
 
 
+def trainer_state(strategy) -> TrainerState:
+    """What the checkpoint glue takes: the shards, the optimizer, the scheduler, the device."""
+    return TrainerState(strategy.shards, strategy.optimizer, strategy.scheduler, strategy.device)
+
+
 def uninterrupted_and_save(root: str, mesh) -> dict | None:
     """Train TOTAL steps on `mesh`, saving after SAVED_AT; the final full parameters (rank 0)."""
-    strategy, layout, args = build(mesh)
-    train(strategy, layout, args, 0, SAVED_AT)
-    save_trainer_state(strategy, root, SAVED_AT)
-    train(strategy, layout, args, SAVED_AT, TOTAL)
+    strategy, config, args = build(mesh)
+    train(strategy, config, args, 0, SAVED_AT)
+    save_trainer_state(trainer_state(strategy), root, SAVED_AT, **identity(args))
+    train(strategy, config, args, SAVED_AT, TOTAL)
     return strategy.full_parameters()
 
 
 def resumed(root: str, mesh) -> dict | None:
-    strategy, layout, args = build(mesh)
-    start = load_trainer_state(strategy, root)
-    train(strategy, layout, args, start, TOTAL)
+    strategy, config, args = build(mesh)
+    start = load_trainer_state(trainer_state(strategy), root, **identity(args))
+    train(strategy, config, args, start, TOTAL)
     return strategy.full_parameters()
 
 
@@ -116,10 +128,10 @@ def test_resume_on_any_mesh_continues_like_the_uninterrupted_run(pools, tmp_path
 
 def resumed_without_optimizer_state(root: str, mesh) -> dict | None:
     """The broken variant: weights restored, AdamW's moments and step count left fresh."""
-    strategy, layout, args = build(mesh)
-    start = load_trainer_state(strategy, root)
+    strategy, config, args = build(mesh)
+    start = load_trainer_state(trainer_state(strategy), root, **identity(args))
     strategy.optimizer.state.clear()
-    train(strategy, layout, args, start, TOTAL)
+    train(strategy, config, args, start, TOTAL)
     return strategy.full_parameters()
 
 
@@ -147,11 +159,10 @@ def test_an_edited_corpus_is_a_mismatch(tmp_path):
     corpus.write_bytes(b"abcdefgh" * 64)
     args = make_args((1, 1, 1))
     args.data = str(corpus)
-    saved = dict(data_identity(args))
-    assert data_mismatch(saved, args) is None
+    saved = data_identity(args)
+    assert data_mismatch(saved, data_identity(args)) is None
     corpus.write_bytes(b"abcdefgX" * 64)
-    args.data_identity = None  # a new run computes it afresh
-    assert "the corpus changed since the checkpoint was saved" in data_mismatch(saved, args)
+    assert "the corpus changed since the checkpoint was saved" in data_mismatch(saved, data_identity(args))
 
 
 def test_resume_rules_and_a_checkpoint_of_another_model(pools, tmp_path):
@@ -166,8 +177,8 @@ def test_resume_rules_and_a_checkpoint_of_another_model(pools, tmp_path):
 
     # the same checks as flags, before any collective (what train.py's validate would call)
     ck = str(tmp_path / "ck")
-    assert validate_checkpoint_flags(make_args((1, 1, 1), checkpoint_dir=ck, resume="must"), CFG) == \
-        tmp_path / "ck" / "step-00000001"
+    assert validate_checkpoint_flags(make_args((1, 1, 1), checkpoint_dir=ck, resume="must"),
+                                     CFG).resume_from == tmp_path / "ck" / "step-00000001"
     bad = [({"checkpoint_dir": None, "resume": "must"}, {}, r"--resume must without --checkpoint-dir"),
            ({"checkpoint_dir": None, "save_every": 2}, {}, r"--save-every 2 without --checkpoint-dir"),
            ({"checkpoint_dir": str(tmp_path / "new"), "resume": "must"}, {},
@@ -192,19 +203,19 @@ CLI = ["--dp", "1", "--pp", "2", "--tp", "2", "--model", "tiny", "--dtype", "flo
 class ForgetsTheSchedule(train3d.Parallel3DStrategy):
     """The broken variant: resumes weights and AdamW state but starts a fresh LR schedule."""
 
-    def resume(self, path) -> None:
-        super().resume(path)
-        args = self.args
-        self.scheduler = warmup_cosine_scheduler(self.optimizer, args.steps, max(1, args.steps // 10),
-                                                 args.min_lr_ratio)
+    def __init__(self, config, ctx):
+        super().__init__(config, ctx)  # resumes
+        fresh = warmup_cosine_scheduler(self.optimizer, config.steps, max(1, config.steps // 10),
+                                        config.min_lr_ratio)
+        self.scheduler = self.checkpoints.state.scheduler = fresh
 
 
 def train_cli(argv: list[str], broken: bool = False) -> dict:
     """train.py's path in the rank pool: parse_args, validate, common.training.run."""
     args = train3d.parse_args(argv)
-    layout = train3d.validate(args, dist.get_world_size())
-    build = (lambda a, c, lay: ForgetsTheSchedule(a, c, lay)) if broken else train3d.build
-    return run(args, init_distributed(), layout, build, 7)
+    config = train3d.validate(args, dist.get_world_size())
+    build = (lambda a, c, cfg: ForgetsTheSchedule(cfg, c)) if broken else train3d.build
+    return run(args, init_distributed(), config, build, 7)
 
 
 def interrupted_at(src: Path, step: int, dst: Path) -> Path:

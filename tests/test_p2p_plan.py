@@ -188,9 +188,9 @@ def trainer_3d_run(dp: int, pp: int, tp: int) -> tuple[dict, int, int]:
                      virtual_stages=None, sequence_parallel=False, activation_checkpointing="none",
                      sharding_strategy="FULL_SHARD", lr_schedule="constant", warmup_steps=None,
                      min_lr_ratio=0.1)
-    layout = train3d.validate(args, spec.world_size)
-    assert layout.grad_accum == 2 * pp  # the default m = 2·pp
-    return recorded_step(train3d.Parallel3DStrategy(args, init_distributed(), layout), spec)
+    config = train3d.validate(args, spec.world_size)
+    assert config.grad_accum == 2 * pp  # the default m = 2·pp
+    return recorded_step(train3d.Parallel3DStrategy(config, init_distributed()), spec)
 
 
 def test_recorded_3d_interleaved_groups_are_the_plan_per_communicator(pools):

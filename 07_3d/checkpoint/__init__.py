@@ -7,7 +7,8 @@ Core files (import only torch):
     state.py          optimizer state sliced like its parameter, param-group state, RNG capture
     shard_layout.py   the region of each LLaMA tensor a rank of a dp × pp × tp mesh holds
 
-Uses common/: trainer.py (save/load Parallel3DStrategy, the --checkpoint-dir/--resume flags),
+Uses common/: trainer.py (save/load a TrainerState: ShardMap, optimizer, scheduler, RNG; the
+--checkpoint-dir/--resume flags),
 export.py (`python -m parallel3d.checkpoint.export DIR --out FILE [--hf]`).
 """
 

@@ -1,19 +1,16 @@
-"""Checkpoints of the 3D trainer (train.py's Parallel3DStrategy): which region of which reference
-tensor each element of a rank's FSDP flat shards is, and the training state around it.
+"""Checkpoints of the 3D trainer: its shards, optimizer, LR schedule and RNG, saved and loaded
+on any mesh. What a rank holds is the ShardMap (shards.py): per piece, a flat range of an FSDP
+flat shard that is a `Region` of a reference tensor. AdamW's exp_avg / exp_avg_sq are flat
+tensors shaped like the shard, sliced the same way; its step counter is one scalar per flat
+shard, saved under each of its names.
 
-A rank of the pp × dp × cp × tp mesh holds, per FSDP unit of its pipeline chunks, one flat shard:
+    save_trainer_state(state, root, step, data=, config=)   every rank; after `step` steps
+    load_trainer_state(state, path, data=, config=)         every rank; returns the steps done
+    Checkpointing(state, plan, steps, rank, world)          the trainer's schedule of saves
 
-    flat  = cat(TP-local tensor of each name in the unit) ++ padding     (FSDP, 04)
-    shard = flat[r·S : (r+1)·S]                                          r = rank in the unit's dp × cp group
-    TP-local tensor of `name` = box at offsets (i·local[dim] along dim) of the full tensor,
-                                i = tp_rank // copies                    (05's TPShard)
-
-so each name's overlap with [r·S, (r+1)·S) is a flat range of a TP box: one `Region`
-(reshard.py). AdamW's exp_avg / exp_avg_sq are flat tensors shaped like the shard, sliced the
-same way; its step counter is one scalar per flat shard, saved under each of its names.
-
-    save_trainer_state(strategy, root, step)   every rank; after optimizer step `step` (1-based count)
-    load_trainer_state(strategy, path)         every rank; returns the number of steps done
+`state` (TrainerState) is what the files hold: the ShardMap, the optimizer, the scheduler and
+the device whose RNG is saved; `data` (data_identity) and `config` (trainer_config) are what a
+checkpoint must match to be resumed.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ import argparse
 import os
 import signal
 import zlib
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,7 +27,6 @@ import torch
 from common.cli import ConfigError, require
 from common.data import ByteCorpus
 from parallel3d.checkpoint.load import load_checkpoint, open_checkpoint, resolve_checkpoint
-from parallel3d.checkpoint.reshard import Region
 from parallel3d.checkpoint.save import CheckpointError, save_checkpoint
 from parallel3d.checkpoint.state import (
     ParamSlice,
@@ -42,55 +38,61 @@ from parallel3d.checkpoint.state import (
     param_groups_state,
     restore_rng_state,
 )
-from parallel3d.recompute import unwrapped_name
+from parallel3d.shards import ShardMap
 
 DATA_KEYS = ("seed", "data", "global_batch", "seq_len")  # a resume must see the same batches
 RESUME = ("never", "must", "auto")
-CHECKPOINT_DEFAULTS = {"checkpoint_dir": None, "save_every": 0, "resume": "never", "keep": 2}
 
 
-def param_slices(strategy) -> dict[str, ParamSlice]:
-    """{reference name: ParamSlice of a flat shard} for every element this rank holds: FSDP's
-    description of each piece (fsdp's shard_layout) placed in the full tensor by its TP box."""
-    tp_rank = strategy.mesh3d.tp_rank
-    out: dict[str, ParamSlice] = {}
-    for unit in strategy.unit_shards:
-        for p in unit.params:
-            if not p.numel:
-                continue
-            ref = unwrapped_name(p.name)
-            spec, local = strategy.tp_specs[ref], tuple(p.shape)
-            offsets, full = [0] * len(local), list(local)
-            if not spec.replicated:
-                offsets[spec.dim] = (tp_rank // spec.copies) * local[spec.dim]
-                full[spec.dim] = spec.full_size
-            region = Region(tuple(full), tuple(offsets), local, p.offset, p.numel)
-            out[ref] = ParamSlice(unit.flat_param, region, start=p.shard_offset)
-    return out
+@dataclass
+class TrainerState:
+    """What a checkpoint saves and restores on this rank."""
+
+    shards: ShardMap
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    device: torch.device  # whose RNG is saved (CPU's always)
+    info: dict = field(default_factory=dict)  # JSON saved beside it (mesh, dtype, ...)
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """The validated checkpoint flags: where to save, how often, what to resume from, and what a
+    checkpoint must match (None without --checkpoint-dir)."""
+
+    directory: str | None = None
+    save_every: int = 0
+    keep: int = 2
+    resume_from: Path | None = None
+    data: dict | None = None
+    config: dict | None = None
+
+
+def param_slices(shards: ShardMap) -> dict[str, ParamSlice]:
+    """{reference name: ParamSlice of a flat shard} for every piece this rank holds."""
+    return {p.name: ParamSlice(shards.units[p.unit].flat_param, p.region, start=p.start)
+            for p in shards.pieces}
 
 
 def data_identity(args: argparse.Namespace) -> dict:
-    """What the batch of step s depends on: DATA_KEYS and, for a byte corpus, the crc32 of its bytes
-    (the default corpus is this repository's text: an edit between save and resume moves every
-    window). Computed once per run (cached on `args`)."""
-    if getattr(args, "data_identity", None) is None:
-        ident = {k: getattr(args, k, None) for k in DATA_KEYS}
-        if ident["data"] != "synthetic":
-            corpus = ByteCorpus(args.seq_len, args.seed, args.data).data
-            ident["corpus_crc32"] = zlib.crc32(corpus.to(torch.uint8).numpy().tobytes())
-        args.data_identity = ident
-    return args.data_identity
+    """What the batch of step s depends on: DATA_KEYS and, for a byte corpus, the crc32 of its
+    bytes (the default corpus is this repository's text: an edit between save and resume moves
+    every window)."""
+    ident = {k: getattr(args, k, None) for k in DATA_KEYS}
+    if ident["data"] != "synthetic":
+        corpus = ByteCorpus(args.seq_len, args.seed, args.data).data
+        ident["corpus_crc32"] = zlib.crc32(corpus.to(torch.uint8).numpy().tobytes())
+    return ident
 
 
-def data_mismatch(saved: dict, args: argparse.Namespace) -> str | None:
+def data_mismatch(saved: dict, now: dict) -> str | None:
     """One line naming the first difference between a checkpoint's data identity and this run's."""
-    now = data_identity(args)
     for k in DATA_KEYS:
         if saved.get(k) != now[k]:
             return (f"--{k.replace('_', '-')} {now[k]}: the checkpoint was trained with {saved.get(k)}; "
                     "resume with the same value (the batch order depends on it)")
     if saved.get("corpus_crc32") != now.get("corpus_crc32"):
-        return (f"--data {args.data or '(this repository)'}: the corpus changed since the checkpoint "
+        return (f"--data {now['data'] or '(this repository)'}: the corpus changed since the checkpoint "
                 f"was saved (crc32 {saved.get('corpus_crc32')} != {now.get('corpus_crc32')}): the same "
                 "steps would draw other batches; resume on the corpus it was trained on")
     return None
@@ -101,67 +103,68 @@ def trainer_config(cfg, optimizer: str) -> dict:
     return {"model": asdict(cfg), "optimizer": optimizer}
 
 
-def save_trainer_state(strategy, root: str | Path, step: int, keep: int | None = None) -> Path:
+def save_trainer_state(state: TrainerState, root: str | Path, step: int, *, data: dict, config: dict,
+                       keep: int | None = None) -> Path:
     """Checkpoint `step` (optimizer steps done) under `root`; every rank calls it."""
-    slices = param_slices(strategy)
-    opt = strategy.optimizer
-    args = strategy.args
-    state = {"step": step, "data": data_identity(args),
-             "scheduler": strategy.scheduler.state_dict() if strategy.scheduler is not None else None,
-             "param_groups": param_groups_state(opt), "mesh": strategy.mesh,
-             "dtype": args.dtype, "mixed_precision": args.mixed_precision}
+    slices = param_slices(state.shards)
+    opt = state.optimizer
+    saved = {"step": step, "data": data,
+             "scheduler": state.scheduler.state_dict() if state.scheduler is not None else None,
+             "param_groups": param_groups_state(opt), **state.info}
     shards = {**model_shards(slices), **optimizer_shards(opt, slices)}
-    return save_checkpoint(root, step, shards, state, config=trainer_config(strategy.cfg, args.optimizer),
-                           rank_state=capture_rng_state(strategy.device), keep=keep)
+    return save_checkpoint(root, step, shards, saved, config=config,
+                           rank_state=capture_rng_state(state.device), keep=keep)
 
 
-def load_trainer_state(strategy, path: str | Path) -> int:
+def load_trainer_state(state: TrainerState, path: str | Path, *, data: dict, config: dict) -> int:
     """Load the checkpoint at `path` (root with `latest`, or a step directory), saved on any
     mesh, into this rank's shards, optimizer, schedule and RNG; returns the steps already done."""
-    slices = param_slices(strategy)
-    args = strategy.args
-    if strategy.args.optimizer != "sgd":
-        init_optimizer_state(strategy.optimizer)
-    targets = {**model_shards(slices), **optimizer_shards(strategy.optimizer, slices)}
-    loaded = load_checkpoint(path, targets, config=trainer_config(strategy.cfg, args.optimizer))
-    state = loaded.state
-    if (mismatch := data_mismatch(state["data"], args)) is not None:
+    slices = param_slices(state.shards)
+    init_optimizer_state(state.optimizer)  # its lazily built tensors, to be filled
+    targets = {**model_shards(slices), **optimizer_shards(state.optimizer, slices)}
+    loaded = load_checkpoint(path, targets, config=config)
+    saved = loaded.state
+    if (mismatch := data_mismatch(saved["data"], data)) is not None:
         raise CheckpointError(f"{loaded.path}: {mismatch}")
-    load_param_groups_state(strategy.optimizer, state["param_groups"])
-    if strategy.scheduler is not None and state["scheduler"] is not None:
-        strategy.scheduler.load_state_dict(state["scheduler"])
+    load_param_groups_state(state.optimizer, saved["param_groups"])
+    if state.scheduler is not None and saved["scheduler"] is not None:
+        state.scheduler.load_state_dict(saved["scheduler"])
     if loaded.rank_state is not None:  # same world size: each rank gets its own generators back
-        restore_rng_state(loaded.rank_state, strategy.device)
+        restore_rng_state(loaded.rank_state, state.device)
     return loaded.step
 
 
-class ResumableStrategy:
-    """Mixin of train.py's Parallel3DStrategy: `resume` at the end of __init__ (sets `start_step`:
-    the loop runs range(start_step, --steps), and data.global_batch(step) makes the step the data
-    position), `restore_rng_once` at the top of forward_backward, saves in `after_step`."""
+class Checkpointing:
+    """The trainer's checkpoints: `resume()` once after building (the steps already done: the
+    loop runs range(start_step, --steps), and data.global_batch(step) makes the step the data
+    position), `restore_rng_once()` at the top of the first step, `after_step(done)` saves every
+    --save-every steps and after the last."""
 
-    start_step: int = 0
-    _rng_to_restore: dict | None = None
+    def __init__(self, state: TrainerState, plan: CheckpointPlan, steps: int, rank: int, world: int):
+        self.state, self.plan, self.steps, self.rank, self.world = state, plan, steps, rank, world
+        self.rng_to_restore: dict | None = None
 
-    def resume(self, path: str | Path | None) -> None:
-        """Shards, AdamW state, LR schedule and RNG from the checkpoint at `path` (any mesh)."""
-        if path is None:
-            return
-        self.start_step = load_trainer_state(self, path)
+    def resume(self) -> int:
+        """Shards, AdamW state, LR schedule and RNG from plan.resume_from (any mesh), or 0."""
+        plan = self.plan
+        if plan.resume_from is None:
+            return 0
+        done = load_trainer_state(self.state, plan.resume_from, data=plan.data, config=plan.config)
         # the loop reseeds every generator after build(): keep the checkpoint's for step 1
-        self._rng_to_restore = capture_rng_state(self.device)
+        self.rng_to_restore = capture_rng_state(self.state.device)
+        return done
 
     def restore_rng_once(self) -> None:
-        if self._rng_to_restore is not None:
-            restore_rng_state(self._rng_to_restore, self.device)
-            self._rng_to_restore = None
+        if self.rng_to_restore is not None:
+            restore_rng_state(self.rng_to_restore, self.state.device)
+            self.rng_to_restore = None
 
     def after_step(self, done: int) -> None:
-        """Save every --save-every steps and after the last one (with --checkpoint-dir)."""
-        kill_if_asked(done, self.mesh3d.rank, self.mesh3d.size)
-        root = getattr(self.args, "checkpoint_dir", None)
-        if root is not None and save_due(done, self.args.save_every, self.args.steps):
-            save_trainer_state(self, root, done, keep=self.args.keep)
+        kill_if_asked(done, self.rank, self.world)
+        plan = self.plan
+        if plan.directory is not None and save_due(done, plan.save_every, self.steps):
+            save_trainer_state(self.state, plan.directory, done, data=plan.data, config=plan.config,
+                               keep=plan.keep)
 
 
 def checkpoint_to_resume(root: str | Path, resume: str) -> Path | None:
@@ -211,31 +214,33 @@ def add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", type=int, default=2, metavar="N", help="checkpoints kept in DIR")
 
 
-def validate_checkpoint_flags(args: argparse.Namespace, cfg) -> Path | None:
+def validate_checkpoint_flags(args: argparse.Namespace, cfg) -> CheckpointPlan:
     """Before any collective, on every rank: the flags, and the checkpoint to resume from (found,
-    complete, same model and data, not already past --steps). Returns its directory or None."""
-    for flag, default in CHECKPOINT_DEFAULTS.items():  # namespaces built without the flags (tests)
-        vars(args).setdefault(flag, default)
-    resume = args.resume
-    require(args.save_every >= 0, f"--save-every {args.save_every}: must be >= 0")
-    require(args.keep >= 1, f"--keep {args.keep}: must be >= 1")
-    require(args.save_every == 0 or args.checkpoint_dir is not None,
-            f"--save-every {args.save_every} without --checkpoint-dir: name the directory to save in")
-    require(resume == "never" or args.checkpoint_dir is not None,
+    complete, same model and data, not already past --steps). Namespaces built without the flags
+    (tests) mean no checkpoints."""
+    directory = getattr(args, "checkpoint_dir", None)
+    save_every, keep = getattr(args, "save_every", 0), getattr(args, "keep", 2)
+    resume = getattr(args, "resume", "never")
+    require(save_every >= 0, f"--save-every {save_every}: must be >= 0")
+    require(keep >= 1, f"--keep {keep}: must be >= 1")
+    require(save_every == 0 or directory is not None,
+            f"--save-every {save_every} without --checkpoint-dir: name the directory to save in")
+    require(resume == "never" or directory is not None,
             f"--resume {resume} without --checkpoint-dir: name the directory to resume from")
     require(resume == "never" or not args.check,
             "--check with --resume: the single-device reference trains from step 0; drop one")
-    if args.checkpoint_dir is None:
-        return None
+    if directory is None:
+        return CheckpointPlan(None, save_every, keep)
+    data, config = data_identity(args), trainer_config(cfg, args.optimizer)
     try:
-        path = checkpoint_to_resume(args.checkpoint_dir, resume)
+        path = checkpoint_to_resume(directory, resume)
         if path is None:
-            return None
-        directory, meta = open_checkpoint(path, trainer_config(cfg, args.optimizer))
+            return CheckpointPlan(directory, save_every, keep, None, data, config)
+        found, meta = open_checkpoint(path, config)
     except CheckpointError as e:
-        raise ConfigError(f"--checkpoint-dir {args.checkpoint_dir} --resume: {e}") from None
-    mismatch = data_mismatch((meta.get("state") or {}).get("data", {}), args)
-    require(mismatch is None, f"{directory}: {mismatch}")
-    require(meta["step"] < args.steps, f"--steps {args.steps}: {directory} is already at step "
+        raise ConfigError(f"--checkpoint-dir {directory} --resume: {e}") from None
+    mismatch = data_mismatch((meta.get("state") or {}).get("data", {}), data)
+    require(mismatch is None, f"{found}: {mismatch}")
+    require(meta["step"] < args.steps, f"--steps {args.steps}: {found} is already at step "
             f"{meta['step']}; pass a larger --steps (the total) to train on")
-    return directory
+    return CheckpointPlan(directory, save_every, keep, found, data, config)

@@ -1,10 +1,6 @@
-"""Plan a layout: which (TP, CP, PP, DP, ZeRO level, micro-batch, recompute) fits a model on G GPUs
-of M GB, what each GPU holds, what it sends, and which one to pick.
-
-    python -m parallel3d.planner --model llama2-70b --gpus 64 --gpu-mem-gb 80
-    python -m parallel3d.planner --model llama3.1-405b --gpus 16384 --seq-len 131072 \
-        --global-batch 128                     # long context: where CP becomes necessary
-    python -m parallel3d.planner --article      # the source article's numbers and table
+"""The planner's pricing: every candidate layout (TP, CP, PP, DP, ZeRO level, micro-batch,
+recompute) of a model on G GPUs, what each GPU holds and sends, its step time, and the pick.
+Pure arithmetic over `memory_model`; the table and the article's comparison are report.py's.
 
 Every candidate is priced by `memory_model` (per-GPU bytes) and a step-time model:
 
@@ -21,21 +17,17 @@ inside a pod on the full network, beyond it at 1/7 of that (the oversubscribed a
 of Llama 3's cluster, the reason its DP groups are kept small). TP stays inside a node (the
 article's rule: TP needs NVLink). The recommendation is the simplest candidate within 5% of the
 fastest that fits in `headroom`·M (`recommend`), CP counting as the least simple: the rule of
-thumb, CP only when one sequence's activations outgrow a GPU (or it is more than 5% faster);
-where its pipeline depth is not one the article's table names, `why_not` prices the article's
-depth beside it, term by term.
+thumb, CP only when one sequence's activations outgrow a GPU (or it is more than 5% faster).
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 from dataclasses import dataclass, field
 
 from common.model import CONFIGS, LlamaConfig
-
-from .memory_model import (
+from parallel3d.memory_model import (
     ACT_BYTES,
     GB,
     PRECISIONS,
@@ -54,16 +46,6 @@ PLANNING_SHAPES: dict[str, LlamaConfig] = {
                                     vocab_size=32000, multiple_of=4096, max_seq_len=4096),
 }
 MODELS = {**CONFIGS, **PLANNING_SHAPES}
-
-# The source article's strategy-by-size table: (max params in B, GPUs, its advice, the pipeline
-# depths it names).
-ARTICLE_TABLE = [
-    (7.5, "1-8", "FSDP or ZeRO-2; no TP, no PP", (1, 1)),
-    (13.5, "4-16", "ZeRO-2/3 or FSDP; TP 2-4 optional", (1, 1)),
-    (70.5, "16-64", "TP 4-8 inside the node + FSDP; PP if several nodes", (1, 64)),
-    (200.0, "64-256", "TP 8 + PP 4-8 + FSDP; multi-node", (4, 8)),
-    (math.inf, "1000+", "TP 8 + PP 16+ + FSDP", (16, 1 << 30)),
-]
 
 
 @dataclass(frozen=True)
@@ -252,22 +234,6 @@ def recommend(plans: list[Plan], tolerance: float = 0.05) -> Plan | None:
     return min(near, key=lambda p: (complexity(p.layout), round(p.step_s, 2), p.memory["total"]))
 
 
-def article_row(n_params: float) -> tuple[str, str, tuple[int, int]]:
-    """The article's (GPUs, advice, pipeline depths) for a model of `n_params` parameters."""
-    for max_b, gpus, advice, pp_range in ARTICLE_TABLE:
-        if n_params / 1e9 <= max_b:
-            return gpus, advice, pp_range
-    raise AssertionError
-
-
-def article_alternative(plans: list[Plan], pp_range: tuple[int, int]) -> Plan | None:
-    """The fastest fitting layout with a pipeline depth the article names (and, like the
-    article's table, no context parallelism)."""
-    lo, hi = pp_range
-    return min((p for p in plans if p.fits and p.layout.cp == 1 and lo <= p.layout.pp <= hi),
-               key=lambda p: p.step_s, default=None)
-
-
 def step_terms(p: Plan) -> dict[str, float]:
     """A plan's step time by term: work (compute and recomputation), bubble, TP, exposed CP, PP,
     exposed DP."""
@@ -276,199 +242,13 @@ def step_terms(p: Plan) -> dict[str, float]:
             "CP": t["cp_exposed"], "PP": t["pp"], "DP": t["dp_exposed"]}
 
 
-def why_not(pick: Plan, other: Plan) -> str:
-    """Why the planner prefers `pick` to `other`: their step times term by term (what differs by
-    more than 0.05 s), the bubbles (p-1)/(v·m), the memory per GPU."""
-    a, b = step_terms(pick), step_terms(other)
-    diff = ", ".join(f"{k} {b[k] - a[k]:+.2f} s" for k in a if abs(b[k] - a[k]) > 0.05)
-    bubble = ", ".join(f"{(p.layout.pp - 1)}/({p.layout.virtual_stages}·{p.microbatches}) = "
-                       f"{(p.layout.pp - 1) / (p.layout.virtual_stages * p.microbatches):.1%}"
-                       for p in (other, pick))
-    return (f"{other.layout.describe()}: {other.step_s:.2f} s, "
-            f"{other.step_s / pick.step_s - 1:+.0%} against the pick ({diff or 'no term differs'}); "
-            f"bubble {bubble}; {other.memory['total'] / GB:.1f} GB vs "
-            f"{pick.memory['total'] / GB:.1f} GB per GPU")
-
-
-def article_scenario(cfg: LlamaConfig, gpus: int, zero: int) -> dict[str, float]:
-    """The article's 86 GB (one GPU) and 11 GB (ZeRO-3 on 8): fp16 weights, gradients and Adam
-    m, v (8 bytes per parameter); a batch of 8 sequences of 512 tokens split over the GPUs;
-    attention without flash (scores and softmax kept), no recomputation."""
-    layout = Layout(tp=1, pp=1, dp=gpus, zero=zero, micro_batch=8 // gpus, recompute="none",
-                    sequence_parallel=False)
-    return memory_per_gpu(cfg, layout, seq_len=512, microbatches=1, precision="article",
-                          eager_attention=True)
-
-
-def format_plans(plans: list[Plan], top: int) -> str:
-    head = (f"{'tp':>3}{'cp':>4}{'pp':>4}{'v':>3}{'dp':>6}{'zero':>6}{'mb':>4}{'m':>5}{'AC':>10} |"
-            f"{'weights':>8}{'grads':>7}{'optim':>7}{'activ':>7}{'total':>7} GB |"
-            f"{'TP':>8}{'CP':>7}{'PP':>7}{'DP':>8} GB/step |{'step s':>8}{'MFU':>6}  fits")
-    lines = [head, "-" * len(head)]
-    for p in plans[:top]:
-        lo = p.layout
-        mem, c = {k: v / GB for k, v in p.memory.items()}, {k: v / GB for k, v in p.comm.items()}
-        lines.append(
-            f"{lo.tp:>3}{lo.cp:>4}{lo.pp:>4}{lo.virtual_stages:>3}{lo.dp:>6}{lo.zero:>6}"
-            f"{lo.micro_batch:>4}{p.microbatches:>5}{lo.recompute:>10} |{mem['weights']:>8.1f}"
-            f"{mem['grads']:>7.1f}{mem['optimizer']:>7.1f}{mem['activations']:>7.1f}"
-            f"{mem['total']:>7.1f}    |{c['tp']:>8.1f}{c['cp']:>7.1f}{c['pp']:>7.2f}{c['dp']:>8.1f}"
-            f"         |{p.step_s:>8.2f}{p.mfu:>6.0%}  {'yes' if p.fits else 'no'}")
-    return "\n".join([*lines, "", LEGEND])
-
-
-LEGEND = """\
-tp, cp, pp, dp: tensor-, context-, pipeline- and data-parallel degrees (GPUs = tp·cp·pp·dp; mesh
-  order tp, cp, dp, pp, innermost first); v: virtual stages per GPU (interleaved 1F1B when > 1,
-  "v8" in a layout's name); zero: 0 DDP, 1 and 2 ZeRO-1/2, 3 FSDP (ZeRO-3), sharded over dp·cp;
-  mb: sequences per micro-batch (s/cp tokens of each on a GPU); m: micro-batches per replica
-  per step; AC: activation recomputation ("AC none": every block keeps its activations;
-  selective: the core attention (QKᵀ, softmax, ·V) is rerun, see recompute.py; full: a block
-  keeps only its input).
-GB: per GPU of the busiest pipeline stage (weights, grads, optimizer state, saved activations);
-  GB/step: bytes each GPU sends per step along each dimension; step s: the modelled step time
-  (compute + bubble + TP + exposed CP, PP, DP); MFU: 6N·tokens / (step·GPUs·peak), attention's
-  FLOPs not counted (at 128K they outweigh 6N); fits: total ≤ headroom × GPU memory."""
-
-
 def fastest_with_cp(plans: list[Plan]) -> Plan | None:
     """The fastest fitting layout with context parallelism."""
     return min((p for p in plans if p.fits and p.layout.cp > 1), key=lambda p: p.step_s,
                default=None)
 
 
-def cp_verdict(plans: list[Plan], best: Plan | None) -> str:
-    """Why the pick has (or lacks) context parallelism: the smallest CP-less footprint when
-    nothing fits without CP, else what the model says CP would buy."""
-    if best is None:
-        return "CP: nothing fits even with it"
-    if best.layout.cp > 1:
-        without = [p for p in plans if p.layout.cp == 1]
-        if not without:
-            return ("CP: needed: without it no layout gives each pipeline replica at least p "
-                    "micro-batches (too few sequences per step for the GPUs)")
-        small = min(without, key=lambda p: p.memory["total"])
-        return (f"CP: needed: the smallest CP-less footprint, {small.layout.describe()}, holds "
-                f"{small.memory['total'] / GB:.1f} GB per GPU, "
-                f"{small.memory['activations'] / GB:.1f} GB of them activations: more than fits")
-    other = fastest_with_cp(plans)
-    if other is None or other.step_s >= best.step_s:
-        return "CP: not needed, and no faster with it"
-    return (f"CP: not needed (a layout fits without it); the fastest with CP, "
-            f"{other.layout.describe()}, is priced {1 - other.step_s / best.step_s:.0%} faster: "
-            f"the model hides the ring behind attention and leaves out its costs (`recommend`)")
-
-
 def fastest_with_mesh(plans: list[Plan], tp: int, cp: int, pp: int) -> Plan | None:
     """The fastest fitting way to run a given (tp, cp, pp) mesh."""
     return min((p for p in plans if p.fits and (p.layout.tp, p.layout.cp, p.layout.pp)
                 == (tp, cp, pp)), key=lambda p: p.step_s, default=None)
-
-
-def article_report() -> str:
-    """The source article's numbers, recomputed, and its table against the planner's picks."""
-    cfg = MODELS["llama2-7b"]
-    one, eight = article_scenario(cfg, 1, 0), article_scenario(cfg, 8, 3)
-    lines = [f"llama2-7b ({total_parameters(cfg) / 1e9:.2f}B), the article's arithmetic "
-             "(fp16 weights + grads + Adam m, v; 8 × 512 tokens; attention without flash):",
-             "  one GPU:        " + ", ".join(f"{k} {v / GB:.1f} GB" for k, v in one.items()),
-             "  ZeRO-3 on 8:    " + ", ".join(f"{k} {v / GB:.1f} GB" for k, v in eight.items()),
-             "", "strategy by size (planner's pick, mixed precision, 4M tokens per step):"]
-    for name, gpus, seq, batch in TABLE_SCENARIOS:
-        cfg = MODELS[name]
-        plans = plan(cfg, gpus, 80, seq, batch)
-        best = recommend(plans)
-        rows, advice, pp_range = article_row(total_parameters(cfg))
-        pick = best.layout.describe() if best else "nothing fits"
-        lines.append(f"  {name:<17} {gpus:>6} GPUs: {pick:<52} | article ({rows} GPUs): {advice}")
-        other = article_alternative(plans, pp_range)
-        if best and other and not pp_range[0] <= best.layout.pp <= pp_range[1]:
-            lines.append(f"    the article's depth, priced: {why_not(best, other)}")
-    name, gpus, seq, batch, mesh = LONG_CONTEXT
-    plans = plan(MODELS[name], gpus, 80, seq, batch)
-    best = recommend(plans)
-    lines += ["", f"long context (not in the article): {name}, {gpus} GPUs, {batch} × {seq} "
-              f"tokens per step: {best.layout.describe() if best else 'nothing fits'}",
-              f"  {cp_verdict(plans, best)}"]
-    llama3 = fastest_with_mesh(plans, *mesh)
-    if best and llama3:
-        lines.append(f"  Llama 3's TP {mesh[0]} × CP {mesh[1]} × PP {mesh[2]}, priced: "
-                     f"{why_not(best, llama3)}")
-    return "\n".join(lines)
-
-
-# (model, GPUs, seq_len, global batch in sequences): one scenario per row of the article's table.
-TABLE_SCENARIOS = [
-    ("llama2-7b", 8, 4096, 1024),
-    ("llama2-13b", 16, 4096, 1024),
-    ("llama2-70b", 64, 4096, 1024),
-    ("llama-175b-shape", 256, 4096, 1024),
-    ("llama3.1-405b", 16384, 8192, 2048),
-]
-# Llama 3 405B's long-context stage (Llama 3 paper, Table 4): 16,384 GPUs, 16M tokens per step
-# of 128K-token sequences, on a TP 8 × CP 16 × PP 16 mesh.
-LONG_CONTEXT = ("llama3.1-405b", 16384, 131072, 128, (8, 16, 16))
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", choices=MODELS, default="llama2-70b")
-    p.add_argument("--gpus", type=int, default=64)
-    p.add_argument("--gpu-mem-gb", type=float, default=80.0)
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--global-batch", type=int, default=None,
-                   help="sequences per optimizer step (default: 4M tokens)")
-    p.add_argument("--precision", choices=PRECISIONS, default="mixed",
-                   help="bytes per parameter: article (2+2+4), mixed (2+2+12), fp32 (4+4+8)")
-    p.add_argument("--eager-attention", action="store_true", help="keep the s×s scores (no flash)")
-    p.add_argument("--headroom", type=float, default=0.9, help="usable fraction of GPU memory")
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--top", type=int, default=12, help="candidates to print")
-    p.add_argument("--article", action="store_true", help="print the article's numbers and table")
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.article:
-        print(article_report())
-        return 0
-    cfg = MODELS[args.model]
-    batch = args.global_batch or max(1, 4 * 2**20 // args.seq_len)
-    problems = [msg for ok, msg in [
-        (args.gpus > 0, f"--gpus {args.gpus}: must be positive"),
-        (args.gpu_mem_gb > 0, f"--gpu-mem-gb {args.gpu_mem_gb}: must be positive"),
-        (args.seq_len > 0, f"--seq-len {args.seq_len}: must be positive"),
-        (batch > 0, f"--global-batch {batch}: must be positive"),
-        (0 < args.headroom <= 1, f"--headroom {args.headroom}: must be in (0, 1]"),
-    ] if not ok]
-    if problems:
-        print("error: " + "; ".join(problems))
-        return 2
-    hw = Hardware(gpus_per_node=args.gpus_per_node)
-    plans = plan(cfg, args.gpus, args.gpu_mem_gb, args.seq_len, batch, hw, args.precision,
-                 args.headroom, args.eager_attention)
-    n = total_parameters(cfg)
-    print(f"{args.model}: {n / 1e9:.2f}B parameters, {args.gpus} × {args.gpu_mem_gb:g} GB GPUs, "
-          f"{batch} × {args.seq_len} tokens per step, {args.precision} precision "
-          f"({sum(PRECISIONS[args.precision])} bytes/parameter of model states)")
-    print(f"{len(plans)} candidates, {sum(p.fits for p in plans)} fit in "
-          f"{args.headroom:.0%} of {args.gpu_mem_gb:g} GB\n")
-    print(format_plans(plans, args.top))
-    best = recommend(plans)
-    rows, advice, pp_range = article_row(n)
-    print(f"\nrecommended: {best.layout.describe() if best else 'nothing fits: add GPUs'}")
-    if best:
-        print(f"  {best.memory['total'] / GB:.1f} GB per GPU, step ≈ {best.step_s:.2f} s, "
-              f"MFU ≈ {best.mfu:.0%}")
-    print(cp_verdict(plans, best))
-    print(f"the article's table for this size ({rows} GPUs): {advice}")
-    other = article_alternative(plans, pp_range)
-    if best and other and not pp_range[0] <= best.layout.pp <= pp_range[1]:
-        print(f"  its pipeline depth, priced: {why_not(best, other)}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

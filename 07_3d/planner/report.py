@@ -1,0 +1,169 @@
+"""The planner's report: the table of priced candidates, why the pick beats another layout term
+by term, whether it needs context parallelism, and the source article's numbers and
+strategy-by-size table against the planner's picks (`--article`). Where the pick's pipeline
+depth is not one the article's table names, `why_not` prices the article's depth beside it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from common.model import LlamaConfig
+from parallel3d.memory_model import GB, Layout, memory_per_gpu, total_parameters
+from parallel3d.planner.pricing import (
+    MODELS,
+    Plan,
+    fastest_with_cp,
+    fastest_with_mesh,
+    plan,
+    recommend,
+    step_terms,
+)
+
+# The source article's strategy-by-size table: (max params in B, GPUs, its advice, the pipeline
+# depths it names).
+ARTICLE_TABLE = [
+    (7.5, "1-8", "FSDP or ZeRO-2; no TP, no PP", (1, 1)),
+    (13.5, "4-16", "ZeRO-2/3 or FSDP; TP 2-4 optional", (1, 1)),
+    (70.5, "16-64", "TP 4-8 inside the node + FSDP; PP if several nodes", (1, 64)),
+    (200.0, "64-256", "TP 8 + PP 4-8 + FSDP; multi-node", (4, 8)),
+    (math.inf, "1000+", "TP 8 + PP 16+ + FSDP", (16, 1 << 30)),
+]
+
+
+def article_row(n_params: float) -> tuple[str, str, tuple[int, int]]:
+    """The article's (GPUs, advice, pipeline depths) for a model of `n_params` parameters."""
+    for max_b, gpus, advice, pp_range in ARTICLE_TABLE:
+        if n_params / 1e9 <= max_b:
+            return gpus, advice, pp_range
+    raise AssertionError
+
+
+def article_alternative(plans: list[Plan], pp_range: tuple[int, int]) -> Plan | None:
+    """The fastest fitting layout with a pipeline depth the article names (and, like the
+    article's table, no context parallelism)."""
+    lo, hi = pp_range
+    return min((p for p in plans if p.fits and p.layout.cp == 1 and lo <= p.layout.pp <= hi),
+               key=lambda p: p.step_s, default=None)
+
+
+def why_not(pick: Plan, other: Plan) -> str:
+    """Why the planner prefers `pick` to `other`: their step times term by term (what differs by
+    more than 0.05 s), the bubbles (p-1)/(v·m), the memory per GPU."""
+    a, b = step_terms(pick), step_terms(other)
+    diff = ", ".join(f"{k} {b[k] - a[k]:+.2f} s" for k in a if abs(b[k] - a[k]) > 0.05)
+    bubble = ", ".join(f"{(p.layout.pp - 1)}/({p.layout.virtual_stages}·{p.microbatches}) = "
+                       f"{(p.layout.pp - 1) / (p.layout.virtual_stages * p.microbatches):.1%}"
+                       for p in (other, pick))
+    return (f"{other.layout.describe()}: {other.step_s:.2f} s, "
+            f"{other.step_s / pick.step_s - 1:+.0%} against the pick ({diff or 'no term differs'}); "
+            f"bubble {bubble}; {other.memory['total'] / GB:.1f} GB vs "
+            f"{pick.memory['total'] / GB:.1f} GB per GPU")
+
+
+def article_scenario(cfg: LlamaConfig, gpus: int, zero: int) -> dict[str, float]:
+    """The article's 86 GB (one GPU) and 11 GB (ZeRO-3 on 8): fp16 weights, gradients and Adam
+    m, v (8 bytes per parameter); a batch of 8 sequences of 512 tokens split over the GPUs;
+    attention without flash (scores and softmax kept), no recomputation."""
+    layout = Layout(tp=1, pp=1, dp=gpus, zero=zero, micro_batch=8 // gpus, recompute="none",
+                    sequence_parallel=False)
+    return memory_per_gpu(cfg, layout, seq_len=512, microbatches=1, precision="article",
+                          eager_attention=True)
+
+
+def format_plans(plans: list[Plan], top: int) -> str:
+    head = (f"{'tp':>3}{'cp':>4}{'pp':>4}{'v':>3}{'dp':>6}{'zero':>6}{'mb':>4}{'m':>5}{'AC':>10} |"
+            f"{'weights':>8}{'grads':>7}{'optim':>7}{'activ':>7}{'total':>7} GB |"
+            f"{'TP':>8}{'CP':>7}{'PP':>7}{'DP':>8} GB/step |{'step s':>8}{'MFU':>6}  fits")
+    lines = [head, "-" * len(head)]
+    for p in plans[:top]:
+        lo = p.layout
+        mem, c = {k: v / GB for k, v in p.memory.items()}, {k: v / GB for k, v in p.comm.items()}
+        lines.append(
+            f"{lo.tp:>3}{lo.cp:>4}{lo.pp:>4}{lo.virtual_stages:>3}{lo.dp:>6}{lo.zero:>6}"
+            f"{lo.micro_batch:>4}{p.microbatches:>5}{lo.recompute:>10} |{mem['weights']:>8.1f}"
+            f"{mem['grads']:>7.1f}{mem['optimizer']:>7.1f}{mem['activations']:>7.1f}"
+            f"{mem['total']:>7.1f}    |{c['tp']:>8.1f}{c['cp']:>7.1f}{c['pp']:>7.2f}{c['dp']:>8.1f}"
+            f"         |{p.step_s:>8.2f}{p.mfu:>6.0%}  {'yes' if p.fits else 'no'}")
+    return "\n".join([*lines, "", LEGEND])
+
+
+LEGEND = """\
+tp, cp, pp, dp: tensor-, context-, pipeline- and data-parallel degrees (GPUs = tp·cp·pp·dp; mesh
+  order tp, cp, dp, pp, innermost first); v: virtual stages per GPU (interleaved 1F1B when > 1,
+  "v8" in a layout's name); zero: 0 DDP, 1 and 2 ZeRO-1/2, 3 FSDP (ZeRO-3), sharded over dp·cp;
+  mb: sequences per micro-batch (s/cp tokens of each on a GPU); m: micro-batches per replica
+  per step; AC: activation recomputation ("AC none": every block keeps its activations;
+  selective: the core attention (QKᵀ, softmax, ·V) is rerun, see recompute.py; full: a block
+  keeps only its input).
+GB: per GPU of the busiest pipeline stage (weights, grads, optimizer state, saved activations);
+  GB/step: bytes each GPU sends per step along each dimension; step s: the modelled step time
+  (compute + bubble + TP + exposed CP, PP, DP); MFU: 6N·tokens / (step·GPUs·peak), attention's
+  FLOPs not counted (at 128K they outweigh 6N); fits: total ≤ headroom × GPU memory."""
+
+
+def cp_verdict(plans: list[Plan], best: Plan | None) -> str:
+    """Why the pick has (or lacks) context parallelism: the smallest CP-less footprint when
+    nothing fits without CP, else what the model says CP would buy."""
+    if best is None:
+        return "CP: nothing fits even with it"
+    if best.layout.cp > 1:
+        without = [p for p in plans if p.layout.cp == 1]
+        if not without:
+            return ("CP: needed: without it no layout gives each pipeline replica at least p "
+                    "micro-batches (too few sequences per step for the GPUs)")
+        small = min(without, key=lambda p: p.memory["total"])
+        return (f"CP: needed: the smallest CP-less footprint, {small.layout.describe()}, holds "
+                f"{small.memory['total'] / GB:.1f} GB per GPU, "
+                f"{small.memory['activations'] / GB:.1f} GB of them activations: more than fits")
+    other = fastest_with_cp(plans)
+    if other is None or other.step_s >= best.step_s:
+        return "CP: not needed, and no faster with it"
+    return (f"CP: not needed (a layout fits without it); the fastest with CP, "
+            f"{other.layout.describe()}, is priced {1 - other.step_s / best.step_s:.0%} faster: "
+            f"the model hides the ring behind attention and leaves out its costs (`recommend`)")
+
+
+def article_report() -> str:
+    """The source article's numbers, recomputed, and its table against the planner's picks."""
+    cfg = MODELS["llama2-7b"]
+    one, eight = article_scenario(cfg, 1, 0), article_scenario(cfg, 8, 3)
+    lines = [f"llama2-7b ({total_parameters(cfg) / 1e9:.2f}B), the article's arithmetic "
+             "(fp16 weights + grads + Adam m, v; 8 × 512 tokens; attention without flash):",
+             "  one GPU:        " + ", ".join(f"{k} {v / GB:.1f} GB" for k, v in one.items()),
+             "  ZeRO-3 on 8:    " + ", ".join(f"{k} {v / GB:.1f} GB" for k, v in eight.items()),
+             "", "strategy by size (planner's pick, mixed precision, 4M tokens per step):"]
+    for name, gpus, seq, batch in TABLE_SCENARIOS:
+        cfg = MODELS[name]
+        plans = plan(cfg, gpus, 80, seq, batch)
+        best = recommend(plans)
+        rows, advice, pp_range = article_row(total_parameters(cfg))
+        pick = best.layout.describe() if best else "nothing fits"
+        lines.append(f"  {name:<17} {gpus:>6} GPUs: {pick:<52} | article ({rows} GPUs): {advice}")
+        other = article_alternative(plans, pp_range)
+        if best and other and not pp_range[0] <= best.layout.pp <= pp_range[1]:
+            lines.append(f"    the article's depth, priced: {why_not(best, other)}")
+    name, gpus, seq, batch, mesh = LONG_CONTEXT
+    plans = plan(MODELS[name], gpus, 80, seq, batch)
+    best = recommend(plans)
+    lines += ["", f"long context (not in the article): {name}, {gpus} GPUs, {batch} × {seq} "
+              f"tokens per step: {best.layout.describe() if best else 'nothing fits'}",
+              f"  {cp_verdict(plans, best)}"]
+    llama3 = fastest_with_mesh(plans, *mesh)
+    if best and llama3:
+        lines.append(f"  Llama 3's TP {mesh[0]} × CP {mesh[1]} × PP {mesh[2]}, priced: "
+                     f"{why_not(best, llama3)}")
+    return "\n".join(lines)
+
+
+# (model, GPUs, seq_len, global batch in sequences): one scenario per row of the article's table.
+TABLE_SCENARIOS = [
+    ("llama2-7b", 8, 4096, 1024),
+    ("llama2-13b", 16, 4096, 1024),
+    ("llama2-70b", 64, 4096, 1024),
+    ("llama-175b-shape", 256, 4096, 1024),
+    ("llama3.1-405b", 16384, 8192, 2048),
+]
+# Llama 3 405B's long-context stage (Llama 3 paper, Table 4): 16,384 GPUs, 16M tokens per step
+# of 128K-token sequences, on a TP 8 × CP 16 × PP 16 mesh.
+LONG_CONTEXT = ("llama3.1-405b", 16384, 131072, 128, (8, 16, 16))
