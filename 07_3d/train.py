@@ -61,6 +61,7 @@ from tensor_parallel import (
     check_tp_sizes,
     gather_full,
     load_balance,
+    sequence_positions,
     shard_sequence,
     vocab_parallel_loss,
 )
@@ -201,20 +202,22 @@ class Parallel3DStrategy(ResumableStrategy, Strategy):
     def forward_backward(self, micro_batches: list[torch.Tensor]) -> torch.Tensor | None:
         self.restore_rng_once()
         start = time.perf_counter()
-        inputs, targets = zip(*(self.context_shard(t) for t in micro_batches), strict=True)
+        inputs, targets, positions = zip(*(self.context_shard(t) for t in micro_batches), strict=True)
         with counting_sends(self.mesh3d.cp_group if self.mesh3d.cp > 1 else None, self._cp_sent):
-            loss = self.executor.run(inputs, targets)
+            loss = self.executor.run(inputs, targets, positions)
         self._busy_s += self._elapsed(start)
         return loss  # a 0-dim tensor on the last stage (the loop reads it once), else None
 
-    def context_shard(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and targets of a micro-batch [mb, s + 1]; under CP this rank's zig-zag chunks of
-        both (the same positions: the target of token i stays beside it)."""
+    def context_shard(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Inputs, targets and RoPE positions of a micro-batch [mb, s + 1]; under CP this rank's
+        zig-zag chunks of both (the same positions: the target of token i stays beside it) and
+        their global positions, which every chunk's attention uses (under SP too: it sees them all)."""
         inputs, targets = split_inputs_targets(tokens)
-        cp, rank = self.mesh3d.cp, self.mesh3d.cp_rank
+        cp, rank, s = self.mesh3d.cp, self.mesh3d.cp_rank, inputs.shape[1]
         if cp == 1:
-            return inputs, targets
-        return shard_sequence(inputs, cp, rank, dim=1), shard_sequence(targets, cp, rank, dim=1)
+            return inputs, targets, torch.arange(s, device=inputs.device)
+        return (shard_sequence(inputs, cp, rank, dim=1), shard_sequence(targets, cp, rank, dim=1),
+                sequence_positions(s, cp, rank, device=inputs.device))
 
     def _elapsed(self, start: float) -> float:
         if self.device.type == "cuda":
