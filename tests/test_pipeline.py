@@ -435,6 +435,38 @@ def test_rope_positions_travel_with_each_micro_batch_to_every_chunk():
         executor.run(inputs, targets, positions[:1])
 
 
+# --- the yardstick of bench.py: torch's schedules, and the torch they need on gloo ---------------
+
+
+def test_torch_yardstick_is_refused_on_gloo_where_torch_waits_on_one_work_per_group(monkeypatch, capsys):
+    """torch 2.6 / 2.7's pipelining waits on the last work of each batch_isend_irecv group only
+    (gloo returns one per op: the ranks hang); the bench tests for the fix and refuses, before any
+    collective, with exit 2 and one line naming the torch it needs. NCCL (one work per group) is
+    never refused. Emulated here by the old `_batch_p2p`, then by the old version number."""
+    from torch.torch_version import TorchVersion
+
+    from pipeline import bench
+
+    assert bench.torch_yardstick_error("gloo") is None  # the torch installed here has the fix
+
+    def old_batch_p2p(ops, desc=None):  # torch 2.6 / 2.7: a single work, None for no ops
+        return dist.batch_isend_irecv(ops).pop() if ops else None
+
+    monkeypatch.setattr(bench.tpp_schedules, "_batch_p2p", old_batch_p2p)
+    assert bench.torch_yardstick_error("nccl") is None
+    error = bench.torch_yardstick_error("gloo")
+    assert error is not None and "needs torch >= 2.8 on gloo" in error and "\n" not in error
+    monkeypatch.setenv("PFS_BACKEND", "gloo")
+    with pytest.raises(SystemExit) as exited:
+        bench.main(["--schedules", "1f1b"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {error}"]
+    monkeypatch.delattr(bench.tpp_schedules, "_batch_p2p")  # a later torch renames the helper
+    assert bench.torch_yardstick_error("gloo") is None
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.7.1"))
+    assert "needs torch >= 2.8" in bench.torch_yardstick_error("gloo")
+
+
 # --- bad input: refused on every rank before any send -------------------------------------------
 
 
