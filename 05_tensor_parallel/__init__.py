@@ -3,9 +3,13 @@
 Every function and layer takes the TP process `group` explicitly (never the world), so a 3D mesh
 can pass one line of its TP dimension. Every rank of a TP group must feed the same data.
 
-Public API (the core imports only torch):
+Public API. The core files import only torch and the common kernel (common/collectives.py);
+copy sets: the TP layers and plan = mappings.py, layers.py, sharding.py, cross_entropy.py,
+parallelize.py + common/collectives.py; ring attention = context_parallel.py +
+common/collectives.py.
 
-Operators (mappings.py), autograd functions over `group`:
+Operators (mappings.py), Megatron's f and g and their SP halves, autograd functions over `group`
+(Megatron's names shortened tensor_model_parallel → tp; the sequence dim is 1 here, our [B, T, H]):
     copy_to_tp_region(x, group)          f: identity fwd, all-reduce bwd
     reduce_from_tp_region(x, group)      g: all-reduce fwd, identity bwd
     gather_from_tp_region / scatter_to_tp_region (last dim)
@@ -13,21 +17,29 @@ Operators (mappings.py), autograd functions over `group`:
     reduce_scatter_to_sequence_parallel_region(x, group, dim=1)  reduce-scatter fwd, all-gather bwd
     scatter_to_sequence_parallel_region(x, group, dim=1)         split fwd, all-gather bwd
 
-Layers (layers.py), each with `.from_linear(...)` / `.from_embedding(...)` / `.from_norm(...)`
-building the shard from the full module's weights:
+Layers (layers.py), Megatron's names with Megatron's argument semantics (gather_output: all-gather
+Y, else Y_i stays split; input_is_parallel: X is already split, else this rank's slice is taken;
+sequence_parallel: all-gather the s/t tokens in / reduce-scatter them out). forward returns the
+tensor (Megatron 1's contract; Megatron-core returns (output, bias) for its skip_bias_add fusion).
+Each has `.from_linear(...)` / `.from_embedding(...)` / `.from_norm(...)` building the shard from
+the full module's weights:
     ColumnParallelLinear(in, out, group, gather_output=False, sequence_parallel=False,
                          input_is_mapped=False, num_shards=None)
     RowParallelLinear(in, out, group, input_is_parallel=True, sequence_parallel=False)
     VocabParallelEmbedding(V, dim, group, sequence_parallel=False)   (V padded to a multiple of t)
     SequenceParallelRMSNorm(dim, eps, group)
-    vocab_parallel_cross_entropy(logits, targets, group, vocab_start, vocab_size) (cross_entropy.py)
+    vocab_parallel_cross_entropy(logits, targets, group, vocab_start, vocab_size) -> per-token
+        losses shaped like targets (Megatron's contract; cross_entropy.py)
 
-Model (parallelize.py), in place, from full weights identical on every rank of the group:
-    parallelize_llama(model, tp_group, sequence_parallel=False) -> {name: TPShard}
-    parallelize_block(block, group, sequence_parallel=False) -> {name: TPShard}   (one block)
-    parallelize_blocks(blocks, group, sequence_parallel=False)                    (a PP stage's run)
-    parallelize_embedding(embedding, group, sp) -> VocabParallelEmbedding          (first stage)
-    parallelize_head(norm, output, group, sp) -> (norm, ColumnParallelLinear)      (last stage)
+The plan (parallelize.py): a table {module name (`*` = every child): style}, applied in place from
+full weights identical on every rank of the group:
+    LLAMA_TP_PLAN = {"tok_embeddings": VocabSplit(), "layers.*.attention": MappedInput(),
+                     "layers.*.attention.wq": ColumnSplit(head_dim="head_dim"), …,
+                     "layers.*.feed_forward.w2": RowSplit(), "layers.*.ffn_norm": SequenceNorm(),
+                     "norm": SequenceNorm(), "output": ColumnSplit(pad=True)}
+    apply_tp_plan(module, group, plan=LLAMA_TP_PLAN, sequence_parallel=False) -> {name: TPShard}
+        (a None module, e.g. a pipeline chunk's missing head, is skipped; a wrong name raises)
+    parallelize_llama(model_or_chunk, tp_group, sequence_parallel=False) = apply_tp_plan(LLAMA_TP_PLAN)
     vocab_parallel_loss(head, logits, targets)   the mean cross-entropy of the split logits
     check_tp_sizes(tp, n_heads, n_kv_heads, hidden_dim, seq_len, sequence_parallel)  ValueError
   Under SP a block's input/output is this rank's s/t tokens [B, T/t, H] (sequence dim 1), the
@@ -84,13 +96,14 @@ from .mappings import (
     scatter_to_tp_region,
 )
 from .parallelize import (
+    LLAMA_TP_PLAN,
+    ColumnSplit,
+    MappedInput,
+    RowSplit,
+    SequenceNorm,
+    VocabSplit,
+    apply_tp_plan,
     check_tp_sizes,
-    parallelize_attention,
-    parallelize_block,
-    parallelize_blocks,
-    parallelize_embedding,
-    parallelize_feed_forward,
-    parallelize_head,
     parallelize_llama,
     vocab_parallel_loss,
 )
@@ -103,13 +116,20 @@ from .sharding import (
 )
 
 __all__ = [
+    "LLAMA_TP_PLAN",
     "ColumnParallelLinear",
+    "ColumnSplit",
+    "MappedInput",
     "RowParallelLinear",
+    "RowSplit",
+    "SequenceNorm",
     "SequenceParallelRMSNorm",
     "TPShard",
     "VocabParallelEmbedding",
+    "VocabSplit",
     "all_gather_attention",
     "apply_context_parallel",
+    "apply_tp_plan",
     "attention_work",
     "check_cp_sizes",
     "check_tp_sizes",
@@ -121,12 +141,6 @@ __all__ = [
     "gather_tensor",
     "load_balance",
     "local_piece",
-    "parallelize_attention",
-    "parallelize_block",
-    "parallelize_blocks",
-    "parallelize_embedding",
-    "parallelize_feed_forward",
-    "parallelize_head",
     "parallelize_llama",
     "reduce_from_tp_region",
     "reduce_scatter_to_sequence_parallel_region",

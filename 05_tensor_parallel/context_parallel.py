@@ -26,6 +26,12 @@ RoPE must use the global positions (`sequence_positions`), not 0 … s/cp - 1.
 The ring's P2P groups are data (`ring_exchanges`, `ring_plan`): the code posts exactly those, and
 the suite replays them under NCCL's rules (common/p2p_plan.find_deadlock). Every rank posts the
 same sequence of groups, each pairing its sends right with its receives from the left.
+
+A drop-in piece: this file imports only torch and common/collectives.py (copy both). Use it by
+`apply_context_parallel(model, cp_group)` on a model whose attention modules call a swappable
+`attend(q, k, v)` (common/model.py's Attention), or call `ring_attention(q, k, v, group)` from
+your own attention; feed each rank its `shard_sequence` tokens and RoPE at their
+`sequence_positions`.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .mappings import all_gather_along, reduce_scatter_along
+from common.collectives import all_gather_single, reduce_scatter_single
 
 LAYOUTS = ("zigzag", "contiguous")
 VARIANTS = ("ring", "all_gather")
@@ -271,6 +277,24 @@ def _wait(works: list) -> None:
         work.wait()
 
 
+def _gather_blocks(kv: torch.Tensor, ring: _Ring) -> torch.Tensor:
+    """Every rank's K/V block [2, B, H_kv, t, d] → [cp, 2, B, H_kv, t, d] (one all-gather)."""
+    if ring.cp == 1:
+        return kv[None]
+    out = kv.new_empty((ring.cp, *kv.shape))
+    all_gather_single(out, kv[None].contiguous(), group=ring.group)
+    return out
+
+
+def _scatter_sums(shares: torch.Tensor, ring: _Ring) -> torch.Tensor:
+    """Σ over ranks of shares [cp, …], this rank keeping row `rank` (one reduce-scatter, SUM)."""
+    if ring.cp == 1:
+        return shares[0]
+    out = shares.new_empty((1, *shares.shape[1:]))
+    reduce_scatter_single(out, shares.contiguous(), group=ring.group)
+    return out[0]
+
+
 def _arrived_home(own: torch.Tensor, travelled: torch.Tensor) -> torch.Tensor:
     """A block's dK/dV: its home rank's share plus the accumulator that went round the ring."""
     return own + travelled
@@ -326,7 +350,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         if variant == "ring":
             out, lse = _ring_forward(local, qc, kv, ring)
         else:  # every rank's K/V block [cp, 2, B, H_kv, t, d], kept for backward
-            kv = all_gather_along(kv[None], 0, group)
+            kv = _gather_blocks(kv, ring)
             out = torch.zeros_like(qc)
             lse = torch.full(qc.shape[:-1], float("-inf"), dtype=qc.dtype, device=qc.device)
             for source in range(ring.cp):
@@ -347,7 +371,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         else:
             dq = torch.zeros_like(q)
             shares = torch.stack([local.grad(q, dout, lse, delta, dq, kv[s], s) for s in range(ring.cp)])
-            dkv = reduce_scatter_along(shares, 0, ring.group)[0]
+            dkv = _scatter_sums(shares, ring)
         q_dtype, kv_dtype = ctx.dtypes
         return dq.to(q_dtype), dkv[0].to(kv_dtype), dkv[1].to(kv_dtype), None, None, None, None
 

@@ -59,11 +59,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group,
                                  vocab_start: int, vocab_size: int) -> torch.Tensor:
-    """Mean next-token cross-entropy over every position, like common.model.loss_fn, from this
-    rank's logits [..., V'/t] (columns = vocab ids vocab_start …) and the full targets [...].
-    Computed in float32 or better, whatever the logits' dtype."""
-    logits = logits.flatten(0, -2)
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    losses = _VocabParallelCrossEntropy.apply(logits, targets.flatten(), group, vocab_start, vocab_size)
-    return losses.mean()
+    """Megatron's contract: the next-token cross-entropy of every position, shaped like `targets`
+    (unreduced: mask or average it yourself; `parallelize.vocab_parallel_loss` takes the mean, like
+    common.model.loss_fn), from this rank's logits [..., V'/t] (columns = vocab ids vocab_start …)
+    and the full targets [...]. Computed in float32 or better, whatever the logits' dtype. Megatron
+    reads the TP group and this rank's vocab range from global state; here they are arguments."""
+    flat = logits.flatten(0, -2)
+    if flat.dtype in (torch.float16, torch.bfloat16):
+        flat = flat.float()
+    losses = _VocabParallelCrossEntropy.apply(flat, targets.flatten(), group, vocab_start, vocab_size)
+    return losses.view(targets.shape)

@@ -11,6 +11,16 @@ torch stores a linear's weight as A = [out, in] and computes Y = X Aᵀ. Split o
 
 A column layer followed by a row layer needs no communication between them (Y_i feeds X_i):
 Megatron's MLP, Y = GeLU(X A_i) B_i summed by one all-reduce. Every layer takes the TP `group`.
+
+The names are Megatron's, and so are the arguments' meanings: `gather_output` all-gathers Y (else
+rank i keeps Y_i), `input_is_parallel` says X arrives already split along its last dim (else the
+layer keeps its slice), `sequence_parallel` all-gathers the s/t tokens of the input (column) or
+reduce-scatters the output over them (row; it needs input_is_parallel, as in Megatron).
+input_is_parallel defaults to True (the output of a column layer; Megatron-core makes you say it,
+Megatron 1 defaulted to False): a full-width X then fails on its shape, never silently. forward
+returns the output tensor like nn.Linear (Megatron 1's contract; Megatron-core returns (output,
+bias) for its skip_bias_add fusion, which we do not have). Ours also pads a vocab t does not
+divide, and `input_is_mapped` (our name) lets several column layers share one input mapping.
 """
 
 from __future__ import annotations

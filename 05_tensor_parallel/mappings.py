@@ -16,15 +16,18 @@ regions between the TP blocks (norms, residuals) hold only s/t tokens per rank:
     reduce_scatter_to_sequence_parallel_region  forward: reduce-scatter     backward: all-gather
 
 plus the trivial last-dim gather/scatter (for `gather_output=True` and `input_is_parallel=False`).
-Every function takes the TP `group` explicitly. Collectives are looked up on `torch.distributed` at
-call time (`all_gather_single`/`reduce_scatter_single` on torch >= 2.13, the `*_tensor` names
-before), always with SUM: never ReduceOp.AVG.
+Every function takes the TP `group` explicitly. The gathers and reduce-scatters go through
+common/collectives.py (torch's name of the day, looked up at call time), always with SUM: never
+ReduceOp.AVG. Megatron's tensors are [s, b, h] and its sequence dim is 0; ours are [b, s, h], so
+the sequence-parallel operators take `dim` (default 1) and otherwise keep Megatron's contract.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from common.collectives import all_gather_single, reduce_scatter_single
 
 
 def _size(group) -> int:
@@ -42,8 +45,7 @@ def all_gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         return x
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((n * front.shape[0], *front.shape[1:]))
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, front, group=group)
+    all_gather_single(out, front, group=group)
     return out.movedim(0, dim).contiguous()  # one copy, so the layers after it share one storage
 
 
@@ -56,8 +58,7 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     if front.shape[0] % n:
         raise ValueError(f"dim {dim} of size {front.shape[0]} is not divisible by the group size {n}")
     out = front.new_empty((front.shape[0] // n, *front.shape[1:]))
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, front, op=dist.ReduceOp.SUM, group=group)
+    reduce_scatter_single(out, front, group=group)
     return out.movedim(0, dim)
 
 

@@ -1,8 +1,16 @@
-"""`parallelize_llama`: turn common.model's LLaMA into its tensor-parallel form, in place, from
-its full weights (torchtitan's split: the model knows nothing of parallelism; this function swaps
-its linears for parallel ones). The modules keep their names and their `forward`: common.model's
-Attention and FeedForward read head counts and widths from their weights' shapes, so the same
-code runs on 1/t of the heads.
+"""The tensor-parallel plan as a table, applied by one function (torchtitan's split: the model
+knows nothing of parallelism; a plan says which module is cut how).
+
+    plan = {module name: style}      a `*` in a name stands for every child (each layer)
+    apply_tp_plan(model, group, plan, sequence_parallel) -> {parameter name: TPShard}
+
+swaps each named module for its parallel form in place, from the full weights it holds (every rank
+the same), and keeps its name and its `forward`: common.model's Attention and FeedForward read
+head counts and widths from their weights' shapes, so the same code runs on 1/t of the heads.
+`LLAMA_TP_PLAN` is common.model's LLaMA; a model with other attribute names changes the names, not
+the code (Hugging Face's LlamaForCausalLM: "model.layers.*.self_attn.q_proj", …, "lm_head"). The
+styles are ours (torch's ColwiseParallel / parallelize_module work on DTensors, a different
+contract): ColumnSplit, RowSplit, VocabSplit, MappedInput, SequenceNorm.
 
 One block, t ranks (no SP)                         with sequence parallelism (SP)
     x ──RMSNorm──f──┬ wq ┐                          x_i[s/t] ──RMSNorm── AG ──┬ wq ┐
@@ -21,7 +29,7 @@ when n_kv_heads < t (their gradients summed over the replicas: one more all-redu
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -30,6 +38,179 @@ from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import ColumnParallelLinear, RowParallelLinear, SequenceParallelRMSNorm, VocabParallelEmbedding
 from .mappings import copy_to_tp_region, gather_from_sequence_parallel_region
 from .sharding import TPShard, group_size, tp_shard_specs
+
+# --- the styles: how one module is cut ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ColumnSplit:
+    """nn.Linear → ColumnParallelLinear: the weight's rows (output features) split over the t ranks,
+    the output stays split. `head_dim`: the parent module's attribute holding one head's width, so
+    each rank gets whole heads; `replicate_heads`: fewer heads than ranks (GQA's K/V) puts each head
+    on t/n consecutive ranks; `pad`: an output size t does not divide is zero-padded (the vocab of
+    the head: its logits stay split, use `vocab_parallel_loss`). The input is mapped (f, or SP's
+    all-gather) by a MappedInput above it in the plan, else by the layer itself."""
+
+    head_dim: str | None = None
+    replicate_heads: bool = False
+    pad: bool = False
+
+
+@dataclass(frozen=True)
+class RowSplit:
+    """nn.Linear → RowParallelLinear: the weight's columns split, the input is the split output of
+    the column layers before it; then g (all-reduce), or SP's reduce-scatter over the sequence."""
+
+
+@dataclass(frozen=True)
+class VocabSplit:
+    """nn.Embedding → VocabParallelEmbedding: rows by vocab id (padded to a multiple of t), the
+    partial embeddings summed (SP: reduce-scattered over the sequence)."""
+
+
+@dataclass(frozen=True)
+class MappedInput:
+    """A forward pre-hook mapping the module's first input once for all the column layers inside
+    that read it (torchtitan's PrepareModuleInput): f, or SP's all-gather of the sequence."""
+
+
+@dataclass(frozen=True)
+class SequenceNorm:
+    """Under SP, an RMSNorm (.weight, .eps) → SequenceParallelRMSNorm on this rank's s/t tokens
+    (its weight's gradient summed over the group); without SP it stays as it is (replicated)."""
+
+
+Style = ColumnSplit | RowSplit | VocabSplit | MappedInput | SequenceNorm
+
+LLAMA_TP_PLAN: dict[str, Style] = {
+    "tok_embeddings": VocabSplit(),
+    "layers.*.attention_norm": SequenceNorm(),
+    "layers.*.attention": MappedInput(),
+    "layers.*.attention.wq": ColumnSplit(head_dim="head_dim"),
+    "layers.*.attention.wk": ColumnSplit(head_dim="head_dim", replicate_heads=True),
+    "layers.*.attention.wv": ColumnSplit(head_dim="head_dim", replicate_heads=True),
+    "layers.*.attention.wo": RowSplit(),
+    "layers.*.ffn_norm": SequenceNorm(),
+    "layers.*.feed_forward": MappedInput(),
+    "layers.*.feed_forward.w1": ColumnSplit(),
+    "layers.*.feed_forward.w3": ColumnSplit(),
+    "layers.*.feed_forward.w2": RowSplit(),
+    "norm": SequenceNorm(),
+    "output": ColumnSplit(pad=True),
+}
+
+
+# --- applying a plan ----------------------------------------------------------------------------
+
+
+def apply_tp_plan(module: nn.Module, group, plan: dict[str, Style] = LLAMA_TP_PLAN,
+                  sequence_parallel: bool = False) -> dict[str, TPShard]:
+    """Cut every module the plan names, in place, from the full weights it holds now (the same on
+    every rank of `group`); returns {parameter name: TPShard} (the reference's names). A name whose
+    module is None is skipped (a pipeline chunk without the embedding or the head); a name that
+    does not exist is an error. Under SP a block's input and output are this rank's s/t tokens
+    [B, T/t, H]: pass those between pipeline stages."""
+    mapped = [name for name, style in plan.items() if isinstance(style, MappedInput)]
+    # every name is resolved before anything is cut, so a wrong one leaves the model untouched
+    sites = [(style, site, any(pattern.startswith(f"{m}.") for m in mapped))
+             for pattern, style in plan.items() for site in _resolve(module, pattern)]
+    for style, (name, parent, attr, target), input_mapped in sites:
+        new = _apply(style, name, parent, target, group, sequence_parallel, input_mapped)
+        if new is not target:
+            setattr(parent, attr, new)
+    return tp_shard_specs(module, group)
+
+
+def parallelize_llama(model: nn.Module, tp_group, sequence_parallel: bool = False) -> dict[str, TPShard]:
+    """common.model.Llama (or a pipeline chunk of it) → its TP form by LLAMA_TP_PLAN, in place."""
+    return apply_tp_plan(model, tp_group, LLAMA_TP_PLAN, sequence_parallel)
+
+
+def _resolve(module: nn.Module, pattern: str):
+    """(full name, parent, attribute, module) for every module `pattern` names; None modules are
+    skipped, a missing attribute raises."""
+    *path, last = pattern.split(".")
+    parents = [("", module)]
+    for part in path:
+        parents = [(f"{n}.{c}" if n else c, child) for n, parent in parents
+                   for c, child in (parent.named_children() if part == "*" else
+                                    [(part, _child(parent, part, n, pattern))]) if child is not None]
+    for n, parent in parents:
+        target = _child(parent, last, n, pattern)
+        if target is not None:
+            yield (f"{n}.{last}" if n else last), parent, last, target
+
+
+def _child(parent: nn.Module, attr: str, where: str, pattern: str) -> nn.Module | None:
+    child = getattr(parent, attr, AttributeError)
+    if child is AttributeError or not (child is None or isinstance(child, nn.Module)):
+        raise ValueError(f"TP plan entry {pattern!r}: {where or 'the model'} has no submodule {attr!r} "
+                         "(fix the name in the plan)")
+    return child
+
+
+def _linear(name: str, module: nn.Module, style: Style) -> nn.Linear:
+    if not isinstance(module, nn.Linear):
+        raise ValueError(f"{name}: {type(module).__name__} is not an nn.Linear for {style} (cut once, "
+                         "from the full model)")
+    return module
+
+
+def _apply(style: Style, name: str, parent: nn.Module, module: nn.Module, group, sp: bool,
+           input_mapped: bool) -> nn.Module:
+    t = group_size(group)
+    if isinstance(style, ColumnSplit):
+        linear = _linear(name, module, style)
+        shards, out = t, linear.out_features
+        if style.head_dim is not None:
+            width = getattr(parent, style.head_dim, None)
+            if not isinstance(width, int):
+                raise ValueError(f"{name}: its parent has no integer attribute {style.head_dim!r} "
+                                 "(ColumnSplit's head_dim names the attribute holding one head's width)")
+            heads = out // width
+            if heads % t == 0:
+                shards = t
+            elif style.replicate_heads and t % heads == 0:
+                shards = heads  # each head on t/heads consecutive ranks
+            else:
+                also = f" or a multiple of {heads}" if style.replicate_heads else ""
+                raise ValueError(f"{name}: {heads} heads do not split over the TP size {t}: each rank "
+                                 f"needs whole heads (use a TP size dividing {heads}{also})")
+        elif out % t and not style.pad:
+            raise ValueError(f"{name}: {out} output features are not divisible by the TP size {t}")
+        return ColumnParallelLinear.from_linear(linear, group, sequence_parallel=sp,
+                                                input_is_mapped=input_mapped, num_shards=shards)
+    if isinstance(style, RowSplit):
+        linear = _linear(name, module, style)
+        if linear.in_features % t:
+            raise ValueError(f"{name}: {linear.in_features} input features are not divisible by "
+                             f"the TP size {t}")
+        return RowParallelLinear.from_linear(linear, group, sequence_parallel=sp)
+    if isinstance(style, VocabSplit):
+        if not isinstance(module, nn.Embedding):
+            raise ValueError(f"{name}: {type(module).__name__} is not an nn.Embedding for {style}")
+        return VocabParallelEmbedding.from_embedding(module, group, sequence_parallel=sp)
+    if isinstance(style, MappedInput):
+        module.register_forward_pre_hook(_map_input(group, sp))
+        return module
+    if isinstance(style, SequenceNorm):
+        return SequenceParallelRMSNorm.from_norm(module, group) if sp else module
+    raise TypeError(f"{name}: unknown style {style!r}")
+
+
+def _map_input(group, sequence_parallel: bool):
+    """The forward pre-hook of MappedInput: f, or SP's all-gather of the sequence."""
+
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        x, *rest = args
+        x = (gather_from_sequence_parallel_region(x, group) if sequence_parallel
+             else copy_to_tp_region(x, group))
+        return (x, *rest)
+
+    return hook
+
+
+# --- validation and the loss --------------------------------------------------------------------
 
 
 def check_tp_sizes(tp: int, n_heads: int = 0, n_kv_heads: int = 0, hidden_dim: int = 0,
@@ -51,91 +232,9 @@ def check_tp_sizes(tp: int, n_heads: int = 0, n_kv_heads: int = 0, hidden_dim: i
                          f"{tp} ranks: use a sequence length divisible by {tp}")
 
 
-def _prepare_input(group, sequence_parallel: bool):
-    """Forward pre-hook: map the block's input once for all the column layers reading it
-    (torchtitan's PrepareModuleInput): f, or SP's all-gather of the sequence."""
-
-    def hook(module: nn.Module, args: tuple) -> tuple:
-        x, *rest = args
-        x = (gather_from_sequence_parallel_region(x, group) if sequence_parallel
-             else copy_to_tp_region(x, group))
-        return (x, *rest)
-
-    return hook
-
-
-def parallelize_attention(attention: nn.Module, group, sequence_parallel: bool = False) -> None:
-    """Q, K, V column-parallel by heads (n_heads/t each; K/V n_kv_heads/t, or one replicated head
-    when n_kv_heads < t), output projection row-parallel. In place."""
-    t, head_dim = group_size(group), attention.head_dim
-    n_heads, n_kv = attention.wq.out_features // head_dim, attention.wk.out_features // head_dim
-    check_tp_sizes(t, n_heads, n_kv)
-    kv_shards = min(n_kv, t)
-    attention.wq = ColumnParallelLinear.from_linear(attention.wq, group, input_is_mapped=True)
-    attention.wk = ColumnParallelLinear.from_linear(attention.wk, group, input_is_mapped=True,
-                                                    num_shards=kv_shards)
-    attention.wv = ColumnParallelLinear.from_linear(attention.wv, group, input_is_mapped=True,
-                                                    num_shards=kv_shards)
-    attention.wo = RowParallelLinear.from_linear(attention.wo, group, sequence_parallel=sequence_parallel)
-    attention.register_forward_pre_hook(_prepare_input(group, sequence_parallel))
-
-
-def parallelize_feed_forward(feed_forward: nn.Module, group, sequence_parallel: bool = False) -> None:
-    """SwiGLU W2(silu(W1 x) ⊙ W3 x): W1, W3 column-parallel (hidden/t units each, the product is
-    element-wise so it stays local), W2 row-parallel: one all-reduce (or reduce-scatter). In place."""
-    feed_forward.w1 = ColumnParallelLinear.from_linear(feed_forward.w1, group, input_is_mapped=True)
-    feed_forward.w3 = ColumnParallelLinear.from_linear(feed_forward.w3, group, input_is_mapped=True)
-    feed_forward.w2 = RowParallelLinear.from_linear(feed_forward.w2, group,
-                                                    sequence_parallel=sequence_parallel)
-    feed_forward.register_forward_pre_hook(_prepare_input(group, sequence_parallel))
-
-
-def parallelize_block(block: nn.Module, group, sequence_parallel: bool = False) -> dict[str, TPShard]:
-    """One TransformerBlock, in place, from its full weights. Under SP its input and output are
-    this rank's s/t tokens [B, T/t, H] and its norms work on them. Returns its TPShard specs."""
-    ff = block.feed_forward
-    check_tp_sizes(group_size(group), hidden_dim=ff.w1.out_features)
-    parallelize_attention(block.attention, group, sequence_parallel)
-    parallelize_feed_forward(ff, group, sequence_parallel)
-    if sequence_parallel:
-        block.attention_norm = SequenceParallelRMSNorm.from_norm(block.attention_norm, group)
-        block.ffn_norm = SequenceParallelRMSNorm.from_norm(block.ffn_norm, group)
-    return tp_shard_specs(block, group)
-
-
-def parallelize_blocks(blocks: Iterable[nn.Module], group, sequence_parallel: bool = False) -> None:
-    """A pipeline stage's run of blocks, each in place."""
-    for block in blocks:
-        parallelize_block(block, group, sequence_parallel)
-
-
-def parallelize_embedding(embedding: nn.Embedding, group,
-                          sequence_parallel: bool = False) -> VocabParallelEmbedding:
-    """The token embedding as a VocabParallelEmbedding (under SP its output is s/t tokens)."""
-    return VocabParallelEmbedding.from_embedding(embedding, group, sequence_parallel=sequence_parallel)
-
-
-def parallelize_head(norm: nn.Module, output: nn.Linear, group,
-                     sequence_parallel: bool = False) -> tuple[nn.Module, ColumnParallelLinear]:
-    """The final norm (SP: on s/t tokens) and the output head, column-parallel over the vocab
-    (padded to a multiple of t); its logits stay split: use `vocab_parallel_loss`."""
-    if sequence_parallel:
-        norm = SequenceParallelRMSNorm.from_norm(norm, group)
-    head = ColumnParallelLinear.from_linear(output, group, sequence_parallel=sequence_parallel)
-    return norm, head
-
-
-def parallelize_llama(model: nn.Module, tp_group, sequence_parallel: bool = False) -> dict[str, TPShard]:
-    """common.model.Llama → its TP form, in place, from the full weights it holds now (every rank
-    must hold the same ones). Returns {parameter name: TPShard} under the reference's names."""
-    model.tok_embeddings = parallelize_embedding(model.tok_embeddings, tp_group, sequence_parallel)
-    parallelize_blocks(model.layers, tp_group, sequence_parallel)
-    model.norm, model.output = parallelize_head(model.norm, model.output, tp_group, sequence_parallel)
-    return tp_shard_specs(model, tp_group)
-
-
 def vocab_parallel_loss(head: ColumnParallelLinear, logits: torch.Tensor,
                         targets: torch.Tensor) -> torch.Tensor:
-    """common.model.loss_fn for the split logits of a `parallelize_head` output head."""
+    """common.model.loss_fn for the split logits of a vocab-parallel head (ColumnSplit(pad=True)):
+    the mean over every position of vocab_parallel_cross_entropy."""
     return vocab_parallel_cross_entropy(logits, targets, head.group, head.output_offset,
-                                        head.out_features)
+                                        head.out_features).mean()

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from common.collectives import all_gather_single
+
 
 def group_size(group) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
@@ -88,8 +90,7 @@ def gather_tensor(local: torch.Tensor, spec: TPShard) -> torch.Tensor:
         return local.detach()
     front = local.detach().movedim(spec.dim, 0).contiguous()
     out = front.new_empty((n * front.shape[0], *front.shape[1:]))
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, front, group=spec.group)
+    all_gather_single(out, front, group=spec.group)
     pieces = out.chunk(n)[::spec.copies]  # one copy of each distinct piece, in order
     return torch.cat(pieces).narrow(0, 0, spec.full_size).movedim(0, spec.dim)
 

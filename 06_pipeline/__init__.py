@@ -1,6 +1,8 @@
 """Chapter 06: pipeline parallelism. GPipe, 1F1B, interleaved 1F1B and ZB-H1 as data, one executor.
 
-The core files import only torch (copy them out):
+The core files import only torch and the common kernel (copy them out): the schedule and its
+executor = schedules.py, executor.py, p2p.py, backward_split.py, timeline.py (+ common/p2p_plan.py
+to replay a plan under NCCL's rules); the LLaMA split = stage.py + common/model.py.
 
     schedules.py   make_schedule(name, p, m, v=1) -> Schedule; name in SCHEDULES =
                    ("gpipe", "1f1b", "interleaved", "zb"). Schedule.actions[rank] is the ordered
@@ -9,16 +11,21 @@ The core files import only torch (copy them out):
                    what an action receives/sends; schedule_error(name, p, m, v) -> str | None is
                    the validation message (call it before any collective); messages(),
                    peak_in_flight() for the properties.
-    stage.py       split_model(model, p, v, rank, rope, partition=None) -> [PipelineStage per
-                   chunk]: tok_embeddings on stage 0, norm + output on stage p·v-1, layers in a
+    stage.py       split_model(model, p, v, rank, partition=None) -> [LlamaChunk per chunk]:
+                   tok_embeddings on stage 0, norm + output on stage p·v-1, layers in a
                    ModuleDict keyed by global index, so chunk.named_parameters() are the
-                   reference model's names. partition_error(n_layers, p, v, partition) and
-                   layer_partition(n_layers, n_stages, partition) for validation and accounting.
+                   reference model's names; chunk(x, positions) with RoPE's positions of the
+                   tokens attention sees. (Not torch's PipelineStage, which wraps a stage's module
+                   with its communication: here the executor communicates.) partition_error(
+                   n_layers, p, v, partition) and layer_partition(n_layers, n_stages, partition)
+                   for validation and accounting.
     executor.py    PipelineExecutor(schedule, rank, chunks, loss_fn, activation_shape, dtype,
-                   device, pp_group=None, after_backward=None).run(inputs, targets) -> the
-                   batch-mean loss on the last stage's rank (a 0-dim tensor: read it once per
-                   step), None elsewhere. It posts exactly p2p.exchanges' groups. `rank` is the rank
-                   in pp_group (peers are mapped to global ranks with dist.get_global_rank);
+                   device, pp_group=None, after_backward=None).run(inputs, targets,
+                   positions=None) -> the batch-mean loss on the last stage's rank (a 0-dim
+                   tensor: read it once per step), None elsewhere; positions[mb] (e.g. RoPE's,
+                   computed once from the batch's layout) goes to every chunk's forward with its
+                   input, never through the pipe. It posts exactly p2p.exchanges' groups. `rank`
+                   is the rank in pp_group (peers are mapped to global ranks with get_global_rank);
                    loss_fn(output, targets) is any callable (e.g. a vocab-parallel loss); the
                    executor divides by m exactly once (scale_loss). Gradients accumulate through
                    plain autograd (hooks of wrappers like FSDP fire); after_backward(chunk, mb,
@@ -36,19 +43,19 @@ The core files import only torch (copy them out):
     timeline.py    Interval, measured_bubble(intervals), render_text(intervals, width), plot(),
                    save_png({name: intervals}, path) (imports matplotlib lazily).
 
-`train.py` (uses common/): PipelineStrategy for the shared loop, `build_stages(model, cfg, p, v,
-rank, partition)`, the comm formula; `bench.py`: against torch.distributed.pipelining.
+`train.py` (uses common/): PipelineStrategy for the shared loop, the comm formula; `bench.py`:
+against torch.distributed.pipelining (on gloo its schedules need torch >= 2.8: bench.py says why).
 """
 
 from .executor import PipelineExecutor
 from .p2p import p2p_plan
 from .schedules import SCHEDULES, Action, Message, Schedule, make_schedule, schedule_error
 from .simulator import bubble_formula, closed_form_bubble, simulate
-from .stage import PipelineStage, layer_partition, partition_error, split_model
+from .stage import LlamaChunk, layer_partition, partition_error, split_model
 from .timeline import Interval, measured_bubble, render_text, save_png
 
 __all__ = [
-    "SCHEDULES", "Action", "Interval", "Message", "PipelineExecutor", "PipelineStage", "Schedule",
+    "SCHEDULES", "Action", "Interval", "LlamaChunk", "Message", "PipelineExecutor", "Schedule",
     "bubble_formula", "closed_form_bubble", "layer_partition", "make_schedule", "measured_bubble",
     "p2p_plan", "partition_error", "render_text", "save_png", "schedule_error", "simulate", "split_model",
 ]

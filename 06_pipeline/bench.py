@@ -13,30 +13,73 @@ ours/torch, our measured bubble beside the simulated one, and saves our measured
 PNG (on a GPU each action is timed by CUDA events on the compute stream). torch exposes no
 per-action timeline, so its bubble is estimated as 1 - (our busy time) / (p · its step time),
 assuming equal compute per action.
+
+Which torch the yardstick needs: on NCCL every torch we support (2.6+). On gloo, torch 2.8 or
+later: torch 2.6 and 2.7's pipelining (`_batch_p2p`) keeps only the last work of each
+`batch_isend_irecv` group and waits on that alone. NCCL coalesces a group into one work, so that
+is harmless there; gloo returns one work per op, so a group of several ops (Schedule1F1B's fused
+send + receive, the multi-stage schedules' steps) leaves receives unwaited and the ranks hang
+(pytorch#132644, fixed by pytorch#152938 in 2.8). `torch_yardstick_error` tests for the fix and the
+bench refuses to start without it (exit 2, one line).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-from functools import partial
+import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.pipelining as tpp
+import torch.distributed.pipelining.schedules as tpp_schedules
+from torch import nn
 
 from common import bench as harness
-from common.dist import DistContext
-from common.model import build_model, get_config, loss_fn, rope_cos_sin
+from common.dist import DistContext, pick_backend
+from common.model import build_model, get_config, loss_fn
 from pipeline.executor import PipelineExecutor
 from pipeline.schedules import make_schedule, schedule_error
 from pipeline.simulator import bubble_fraction, simulate
-from pipeline.stage import split_model
+from pipeline.stage import LlamaChunk, split_model
 from pipeline.timeline import measured_bubble, save_png, shift
 
 TORCH_SCHEDULES = {"gpipe": tpp.ScheduleGPipe, "1f1b": tpp.Schedule1F1B,
                    "interleaved": tpp.ScheduleInterleaved1F1B, "zb": tpp.ScheduleInterleavedZeroBubble}
+FIXED_IN = "2.8"  # pytorch#152938: _batch_p2p returns (and the schedules wait on) every work
+
+
+def torch_waits_on_every_work() -> bool:
+    """Whether torch's pipelining waits on every work of a `batch_isend_irecv` group. A feature
+    test, no communication: the fixed `_batch_p2p` returns a list of works ([] for no ops), the
+    old one a single work (None for no ops). Should the private helper be renamed, the version
+    decides."""
+    batch_p2p = getattr(tpp_schedules, "_batch_p2p", None)
+    if batch_p2p is None:
+        return torch.__version__ >= FIXED_IN
+    return batch_p2p([]) == []
+
+
+def torch_yardstick_error(backend: str) -> str | None:
+    """Why torch's schedules cannot be the yardstick on `backend` with this torch (one line), or None."""
+    if backend == "nccl" or torch_waits_on_every_work():
+        return None
+    return (f"torch {torch.__version__}'s pipelining schedules hang on {backend}: they wait on only the "
+            f"last op of each batch_isend_irecv group (pytorch#132644); the yardstick needs torch >= "
+            f"{FIXED_IN} on {backend} (or NCCL)")
+
+
+class WithPositions(nn.Module):
+    """A chunk with its RoPE positions bound, for torch's PipelineStage, which passes each stage
+    only the previous stage's output (our executor hands positions to every chunk itself)."""
+
+    def __init__(self, chunk: LlamaChunk, positions: torch.Tensor):
+        super().__init__()
+        self.chunk, self.positions = chunk, positions
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.chunk(x, self.positions)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,8 +94,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def torch_schedule(name: str, chunks, p: int, m: int, device: torch.device):
-    stages = [tpp.PipelineStage(c, c.stage, c.n_stages, device) for c in chunks]
+def torch_schedule(name: str, chunks: list[LlamaChunk], positions: torch.Tensor, p: int, m: int,
+                   device: torch.device):
+    stages = [tpp.PipelineStage(WithPositions(c, positions), c.stage, c.n_stages, device) for c in chunks]
     cls = TORCH_SCHEDULES[name]
     if name in ("gpipe", "1f1b"):
         return cls(stages[0], n_microbatches=m, loss_fn=loss_fn)
@@ -80,16 +124,16 @@ def bench_schedule(name: str, args: argparse.Namespace, ctx: DistContext, tokens
     v_ours = v if name == "interleaved" else 1  # our zb is ZB-H1 (v = 1); torch's is interleaved
     if schedule_error(name, p, m, v_ours) or cfg.n_layers % (p * v):
         return None
-    rope = partial(rope_cos_sin, cfg)
-    ours_chunks = split_model(build_model(cfg, 0, torch.float32, ctx.device), p, v_ours, rank, rope)
-    theirs_chunks = split_model(build_model(cfg, 0, torch.float32, ctx.device), p, v, rank, rope)
+    ours_chunks = split_model(build_model(cfg, 0, torch.float32, ctx.device), p, v_ours, rank)
+    theirs_chunks = split_model(build_model(cfg, 0, torch.float32, ctx.device), p, v, rank)
     schedule = make_schedule(name, p, m, v_ours)
     executor = PipelineExecutor(schedule, rank, ours_chunks, loss_fn,
                                 (args.micro_batch, args.seq_len, cfg.dim), torch.float32, ctx.device)
     micro_in, micro_tgt = (list(t.split(args.micro_batch)) for t in (tokens[:, :-1], tokens[:, 1:]))
-    steps = {"ours": lambda _: executor.run(micro_in, micro_tgt)}
+    positions = torch.arange(args.seq_len, device=ctx.device)  # every micro-batch: 0 … s-1
+    steps = {"ours": lambda _: executor.run(micro_in, micro_tgt, [positions] * m)}
     try:
-        theirs = torch_schedule(name, theirs_chunks, p, m, ctx.device)
+        theirs = torch_schedule(name, theirs_chunks, positions, p, m, ctx.device)
         steps["torch"] = lambda _: torch_step(theirs, theirs_chunks, tokens)
     except Exception as error:  # e.g. a schedule torch does not support for this layout
         if rank == 0:
@@ -115,8 +159,11 @@ def bench_schedule(name: str, args: argparse.Namespace, ctx: DistContext, tokens
             float(bubble_fraction(simulate(schedule), p)), torch_bubble)
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if (error := torch_yardstick_error(pick_backend())) is not None:  # before any collective
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2)
     ctx = harness.launch()
     cfg = get_config(args.model)
     tokens = torch.randint(0, cfg.vocab_size, (args.microbatches * args.micro_batch, args.seq_len + 1),

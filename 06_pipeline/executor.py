@@ -1,7 +1,7 @@
 """One executor for every schedule: walk this rank's action list, compute, and pass activations
 and gradients to the neighbouring ranks.
 
-    F(mb, c)   x = received activation (or the tokens on stage 0);  y = chunk_c(x)
+    F(mb, c)   x = received activation (or the tokens on stage 0);  y = chunk_c(x[, positions[mb]])
                last stage: y = loss_fn(y, targets[mb]) / m          ← the 1/m, exactly once
                send y to the next stage
     B(mb, c)   g = received gradient of y (nothing on the last stage: y is the loss)
@@ -28,7 +28,10 @@ lands in a fresh buffer: autograd keeps the stage input of micro-batch k for its
 receiving micro-batch k+1 into the same memory would silently change k's gradients.
 
 The executor does not look inside a chunk: any module mapping the previous stage's output to the
-next stage's input works (tensor-parallel layers, FSDP units). Parameter gradients accumulate
+next stage's input works (tensor-parallel layers, FSDP units). What every stage needs besides its
+input travels with the batch, not through the pipe: `run(inputs, targets, positions)` hands
+micro-batch mb's positions (RoPE's, computed once from the batch's layout) to every chunk's
+forward, so the messages stay the activations alone. Parameter gradients accumulate
 with the ordinary autograd machinery, so hooks a wrapper registers on them (FSDP's reduce-scatter)
 fire as usual; `after_backward(chunk, microbatch, last)` runs after each backward (B, or W when
 split) of a chunk, `last` = True on the chunk's final one of the step. The loss is summed as a
@@ -151,15 +154,19 @@ class PipelineExecutor:
         return time.perf_counter()
 
     # --- one step ----------------------------------------------------------------------------
-    def run(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    def run(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
+            positions: Sequence[torch.Tensor] | None = None) -> torch.Tensor | None:
         """One pipeline step over m micro-batches (inputs are used on stage 0, targets on the
-        last stage). Leaves the gradients of the batch-mean loss in the chunks' parameters;
-        returns the batch-mean loss (a 0-dim tensor, not synchronized) on the rank holding the
-        last stage, None elsewhere."""
+        last stage; positions[mb], when given, by every chunk: chunk(x, positions[mb])). Leaves
+        the gradients of the batch-mean loss in the chunks' parameters; returns the batch-mean
+        loss (a 0-dim tensor, not synchronized) on the rank holding the last stage, None
+        elsewhere."""
         m = self.schedule.m
-        if len(inputs) != m or len(targets) != m:
-            raise ValueError(f"{len(inputs)} input and {len(targets)} target micro-batches for a "
-                             f"schedule of m = {m}")
+        if len(inputs) != m or len(targets) != m or (positions is not None and len(positions) != m):
+            given = "" if positions is None else f" and {len(positions)} position"
+            raise ValueError(f"{len(inputs)} input, {len(targets)} target{given} micro-batches for "
+                             f"a schedule of m = {m}")
+        self._positions = positions
         cuda = self._cuda_events
         self._send_works, recorded, self._timeline = [], [], []
         self._events = (time.perf_counter(), self._clock(), recorded) if cuda else None
@@ -200,7 +207,7 @@ class PipelineExecutor:
         saved = self._saved
         if action.kind == "F":
             x = inputs[action.microbatch] if stage == 0 else received.requires_grad_()
-            y = chunk(x)
+            y = chunk(x) if self._positions is None else chunk(x, self._positions[action.microbatch])
             loss = None
             if is_last:
                 loss = self.loss_fn(y, targets[action.microbatch])

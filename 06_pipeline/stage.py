@@ -11,17 +11,28 @@ keyed by the global layer index), so `chunk.named_parameters()` yields exactly t
 names ("layers.5.attention.wq.weight", "output.weight", …) and whatever replaced a block (tensor-
 parallel linears, an FSDP unit) comes along unchanged. Per message between stages: an activation
 [micro_batch, seq_len, dim] forward and its gradient of the same shape backward.
+
+RoPE's positions travel with the batch: `forward(x, positions)` takes the positions of the tokens
+this rank's attention sees, computed once per micro-batch from the batch's layout (0 … s−1, or a
+context-parallel rank's zig-zag positions) and handed by the executor to every chunk, like
+`Llama.forward(tokens, positions)`. A later stage cannot read them off its input: under sequence
+parallelism it holds s/t of the tokens, under context parallelism not the first ones.
+
+`LlamaChunk` is named for what it is: a chunk (Megatron's word for the part of the model one
+virtual stage runs, and the executor's `chunks`) of LLaMA. It is not torch's
+`torch.distributed.pipelining.PipelineStage`, the communication wrapper around a stage's module:
+ours is the module, and executor.py does the communication.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-Rope = Callable[[torch.Tensor, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
+from common.model import LlamaConfig, rope_cos_sin
 
 
 def partition_error(n_layers: int, p: int, v: int = 1, partition: Sequence[int] | None = None) -> str | None:
@@ -55,16 +66,17 @@ def layer_partition(n_layers: int, n_stages: int, partition: Sequence[int] | Non
     return [range(a, b) for a, b in itertools.pairwise(bounds)]
 
 
-class PipelineStage(nn.Module):
-    """One virtual stage: [tok_embeddings] → layers → [norm → output]. forward(x) takes tokens on
-    the first stage, the previous stage's activation otherwise; returns the activation, or the
-    logits on the last stage."""
+class LlamaChunk(nn.Module):
+    """One virtual stage of LLaMA: [tok_embeddings] → layers → [norm → output]. forward(x,
+    positions) takes tokens on the first stage, the previous stage's activation otherwise, and
+    the RoPE positions of the tokens attention sees; returns the activation, or the logits on the
+    last stage."""
 
-    def __init__(self, stage: int, n_stages: int, layers: dict[str, nn.Module], rope: Rope,
+    def __init__(self, stage: int, n_stages: int, cfg: LlamaConfig, layers: dict[str, nn.Module],
                  tok_embeddings: nn.Module | None = None, norm: nn.Module | None = None,
                  output: nn.Module | None = None):
         super().__init__()
-        self.stage, self.n_stages, self.rope = stage, n_stages, rope
+        self.stage, self.n_stages, self.cfg = stage, n_stages, cfg
         self.tok_embeddings = tok_embeddings
         self.layers = nn.ModuleDict(layers)
         self.norm, self.output = norm, output
@@ -77,19 +89,18 @@ class PipelineStage(nn.Module):
     def is_last(self) -> bool:
         return self.stage == self.n_stages - 1
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        cos, sin = self.rope(torch.arange(h.shape[1], device=h.device), h.dtype)
+        cos, sin = rope_cos_sin(self.cfg, positions, h.dtype)
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         return self.output(self.norm(h)) if self.output is not None else h
 
 
-def split_model(model: nn.Module, p: int, v: int, rank: int, rope: Rope,
-                partition: Sequence[int] | None = None) -> list[PipelineStage]:
-    """Rank `rank`'s chunks [stage rank, stage p + rank, …, stage (v-1)·p + rank] of a model with
-    LLaMA's attributes (tok_embeddings, layers, norm, output). `rope(positions, dtype)` gives the
-    rotary cos/sin (e.g. functools.partial(common.model.rope_cos_sin, cfg)). The chunks share the
+def split_model(model: nn.Module, p: int, v: int, rank: int,
+                partition: Sequence[int] | None = None) -> list[LlamaChunk]:
+    """Rank `rank`'s chunks [stage rank, stage p + rank, …, stage (v-1)·p + rank] of common.model's
+    Llama (its cfg and its attributes tok_embeddings, layers, norm, output). The chunks share the
     model's modules; drop the model afterwards to free the other stages' layers (or split a model
     built on the meta device and materialize only the chunks: the other layers never exist)."""
     n_layers = len(model.layers)
@@ -100,8 +111,8 @@ def split_model(model: nn.Module, p: int, v: int, rank: int, rope: Rope,
     chunks = []
     for c in range(v):
         s = c * p + rank
-        chunks.append(PipelineStage(
-            s, S, {str(i): model.layers[i] for i in ranges[s]}, rope,
+        chunks.append(LlamaChunk(
+            s, S, model.cfg, {str(i): model.layers[i] for i in ranges[s]},
             tok_embeddings=model.tok_embeddings if s == 0 else None,
             norm=model.norm if s == S - 1 else None, output=model.output if s == S - 1 else None))
     return chunks

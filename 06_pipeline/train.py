@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import math
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -25,7 +24,7 @@ from common.data import split_inputs_targets
 from common.dist import DistContext
 from common.memory import optimizer_state_tensors, storage_bytes
 from common.mixed_precision import MasterWeights
-from common.model import LlamaConfig, build_model, initializer, loss_fn, materialize, rope_cos_sin
+from common.model import build_model, initializer, loss_fn, materialize
 from common.reference import make_optimizer
 from common.training import Strategy, run_main
 from pipeline.executor import LossFn, PipelineExecutor
@@ -39,7 +38,7 @@ from pipeline.schedules import (
 )
 from pipeline.simulator import bubble_formula, closed_form_bubble, simulate
 from pipeline.simulator import bubble_fraction as simulated_bubble
-from pipeline.stage import PipelineStage, partition_error, split_model
+from pipeline.stage import partition_error, split_model
 from pipeline.timeline import measured_bubble, render_text, save_png, shift
 
 
@@ -91,12 +90,6 @@ def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
     return BatchLayout(micro, m)
 
 
-def build_stages(model: nn.Module, cfg: LlamaConfig, p: int, v: int, rank: int,
-                 partition: list[int] | None = None) -> list[PipelineStage]:
-    """Rank `rank`'s chunks of common's LLaMA (reference parameter names kept)."""
-    return split_model(model, p, v, rank, rope=partial(rope_cos_sin, cfg), partition=partition)
-
-
 class PipelineStrategy(Strategy):
     """This rank's chunks, their optimizer, and the executor of the chosen schedule. In mixed
     precision the chunks compute in bf16 and AdamW updates fp32 master copies."""
@@ -112,7 +105,7 @@ class PipelineStrategy(Strategy):
         self.schedule: Schedule = make_schedule(args.schedule, p, m, v)
         # split the model on the meta device, then draw only this rank's layers onto its device
         meta = build_model(cfg, dtype=torch.float32 if self.mixed else DTYPES[args.dtype], device="meta")
-        self.chunks = build_stages(meta, cfg, p, v, self.rank, parse_partition(args.partition))
+        self.chunks = split_model(meta, p, v, self.rank, parse_partition(args.partition))
         init = initializer(cfg, args.seed)
         for chunk in self.chunks:
             materialize(chunk, init, ctx.device)
@@ -135,10 +128,11 @@ class PipelineStrategy(Strategy):
 
     def forward_backward(self, micro_batches: list[torch.Tensor]) -> torch.Tensor | None:
         inputs, targets = zip(*(split_inputs_targets(t) for t in micro_batches), strict=True)
+        positions = [torch.arange(x.shape[1], device=x.device) for x in inputs]  # RoPE's, per micro-batch
         # a common time origin for the timeline (0 bytes; on NCCL the barrier also waits for
         # the GPU, so the executor's step-start event runs at once)
         dist.barrier(group=self.group)
-        loss = self.executor.run(inputs, targets)
+        loss = self.executor.run(inputs, targets, positions)
         self.timelines.append(self.executor.timeline)
         self.weights.grads_to_master()
         return loss  # a 0-dim tensor on the last stage (the loop reads it once), else None

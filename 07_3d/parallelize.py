@@ -7,8 +7,8 @@ recompute, FSDP-wrap.
                  → flat shards over the DP × CP group (04: the CP ranks hold the same parameters)
 
 Under CP a rank holds the zig-zag chunks cp_rank and 2·cp−1−cp_rank of each sequence (s/cp
-tokens), so its RoPE tables are taken at those global positions, and `rank_inputs` gives it
-those tokens of each micro-batch.
+tokens): `rank_inputs` gives it those tokens of each micro-batch and their global positions, which
+travel with the batch (the executor hands them to every chunk's forward for RoPE), as in chapter 05.
 
 Nothing is drawn before the last step: each FSDP unit generates, from the seed, the full tensors
 that overlap this rank's shard, cuts their TP piece and keeps its 1/dp. A user's own trainer:
@@ -23,26 +23,16 @@ that overlap this rank's shard, cuts their TP piece and keeps its 1/dp. A user's
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
-from common.model import Llama, LlamaConfig, TransformerBlock, initializer, rope_cos_sin
+from common.model import Llama, LlamaConfig, TransformerBlock, initializer
 from fsdp import FSDP, MixedPrecision, ModuleWrapPolicy, ShardingStrategy
 from parallel3d.mesh import ParallelMesh
 from parallel3d.recompute import MODES, CheckpointWrapper, apply_recompute, unwrapped_name
-from pipeline import PipelineStage, split_model
+from pipeline import LlamaChunk, split_model
 from pipeline.schedules import SCHEDULES, virtual_stages
-from tensor_parallel import (
-    TPShard,
-    local_piece,
-    parallelize_blocks,
-    parallelize_embedding,
-    parallelize_head,
-    shard_sequence,
-    tp_shard_specs,
-    zigzag_positions,
-)
+from tensor_parallel import TPShard, local_piece, parallelize_llama, sequence_positions, shard_sequence
 from tensor_parallel import apply_context_parallel as context_parallel
 
 
@@ -88,41 +78,25 @@ def parallelize_3d(model: Llama, mesh: ParallelMesh, config: Parallel3DConfig,
     return apply_fsdp(chunks, mesh, config, tp_specs, init, device), tp_specs
 
 
-def apply_pipeline_split(model: Llama, mesh: ParallelMesh, config: Parallel3DConfig) -> list[PipelineStage]:
+def apply_pipeline_split(model: Llama, mesh: ParallelMesh, config: Parallel3DConfig) -> list[LlamaChunk]:
     """06: this rank's stages pp_rank, pp + pp_rank, … of the S = pp·v."""
-    rope = partial(sequence_rope, model.cfg, mesh.tp if config.sequence_parallel else 1, mesh.cp,
-                   mesh.cp_rank)
-    return split_model(model, mesh.pp, config.v, mesh.pp_rank, rope=rope)
+    return split_model(model, mesh.pp, config.v, mesh.pp_rank)
 
 
-def sequence_rope(cfg, tp: int, cp: int, cp_rank: int, positions: torch.Tensor, dtype: torch.dtype):
-    """RoPE's cos/sin for the s/cp tokens attention sees when activations carry s/(cp·tp) (SP):
-    the global positions of this CP rank's zig-zag chunks (0 … s−1 when cp = 1)."""
-    local = positions.numel() * tp
-    if cp == 1:
-        return rope_cos_sin(cfg, torch.arange(local, device=positions.device), dtype)
-    return rope_cos_sin(cfg, zigzag_positions(local * cp, cp, cp_rank, device=positions.device), dtype)
-
-
-def apply_context_parallel(chunks: list[PipelineStage], group) -> None:
+def apply_context_parallel(chunks: list[LlamaChunk], group) -> None:
     """05: every attention of every chunk attends over the CP ring (K/V blocks passed around
     `group`), on this rank's zig-zag chunks of the sequence."""
     for chunk in chunks:
         context_parallel(chunk, group)
 
 
-def apply_tensor_parallel(chunks: list[PipelineStage], group, sp: bool) -> dict[str, TPShard]:
-    """05: each chunk's embedding, blocks and head cut over the TP group, in place."""
-    for chunk in chunks:
-        if chunk.tok_embeddings is not None:
-            chunk.tok_embeddings = parallelize_embedding(chunk.tok_embeddings, group, sp)
-        parallelize_blocks(chunk.layers.values(), group, sp)
-        if chunk.output is not None:
-            chunk.norm, chunk.output = parallelize_head(chunk.norm, chunk.output, group, sp)
-    return {name: spec for chunk in chunks for name, spec in tp_shard_specs(chunk, group).items()}
+def apply_tensor_parallel(chunks: list[LlamaChunk], group, sp: bool) -> dict[str, TPShard]:
+    """05: each chunk cut over the TP group by LLAMA_TP_PLAN, in place (the embedding and the head
+    where the chunk holds them)."""
+    return {name: spec for chunk in chunks for name, spec in parallelize_llama(chunk, group, sp).items()}
 
 
-def apply_fsdp(chunks: list[PipelineStage], mesh: ParallelMesh, config: Parallel3DConfig,
+def apply_fsdp(chunks: list[LlamaChunk], mesh: ParallelMesh, config: Parallel3DConfig,
                tp_specs: dict[str, TPShard], init, device: torch.device) -> list[FSDP]:
     """04: one unit per block (its recompute wrapper under full recomputation), the rest of the
     chunk as the root unit, sharded over the DP × CP group (gradients averaged over its dp·cp
@@ -148,11 +122,14 @@ def activation_shape(cfg: LlamaConfig, mesh: ParallelMesh, config: Parallel3DCon
     return micro_batch, seq_len // mesh.cp // (mesh.tp if config.sequence_parallel else 1), cfg.dim
 
 
-def rank_inputs(tokens: torch.Tensor, mesh: ParallelMesh) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and targets of a micro-batch of token rows [mb, s + 1]; under CP this rank's
-    zig-zag chunks of both (the same positions: the target of token i stays beside it)."""
+def rank_inputs(tokens: torch.Tensor, mesh: ParallelMesh) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs, targets and RoPE positions of a micro-batch of token rows [mb, s + 1]; under CP
+    this rank's zig-zag chunks of both (the same positions: the target of token i stays beside it)
+    and their global positions, which every chunk's attention uses (under SP too: it sees them all)."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    s = inputs.shape[1]
     if mesh.cp == 1:
-        return inputs, targets
+        return inputs, targets, torch.arange(s, device=inputs.device)
     return (shard_sequence(inputs, mesh.cp, mesh.cp_rank, dim=1),
-            shard_sequence(targets, mesh.cp, mesh.cp_rank, dim=1))
+            shard_sequence(targets, mesh.cp, mesh.cp_rank, dim=1),
+            sequence_positions(s, mesh.cp, mesh.cp_rank, device=inputs.device))

@@ -246,10 +246,11 @@ class Parallel3DStrategy(Strategy):
     def forward_backward(self, micro_batches: list[torch.Tensor]) -> torch.Tensor | None:
         self.checkpoints.restore_rng_once()
         start = time.perf_counter()
-        inputs, targets = zip(*(rank_inputs(t, self.device_mesh) for t in micro_batches), strict=True)
+        inputs, targets, positions = zip(*(rank_inputs(t, self.device_mesh) for t in micro_batches),
+                                         strict=True)
         ring = self.device_mesh.cp_group if self.device_mesh.cp > 1 else None
         with counting_sends(ring, self.cp_sent):
-            loss = self.executor.run(inputs, targets)
+            loss = self.executor.run(inputs, targets, positions)
         self.busy_s += self.elapsed(start)
         return loss  # a 0-dim tensor on the last stage (the loop reads it once), else None
 

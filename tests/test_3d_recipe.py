@@ -52,8 +52,8 @@ def users_own_loop(spec: TrainSpec, sizes: tuple[int, int, int, int], config: Pa
     losses, grads = [], []
     for step in range(spec.steps):
         rows = spec.data().global_batch(step, spec.global_batch).narrow(0, mesh.dp_rank * per_rank, per_rank)
-        inputs, targets = zip(*(rank_inputs(m, mesh) for m in rows.split(micro)), strict=True)
-        loss = executor.run(inputs, targets)
+        inputs, targets, positions = zip(*(rank_inputs(m, mesh) for m in rows.split(micro)), strict=True)
+        loss = executor.run(inputs, targets, positions)
         losses.append(None if loss is None else loss.item())
         grads.append(gather_full(shards, lambda u: u.flat_param.grad))  # the check, before clipping
         if torch_clip:  # the bug: the norm of this rank's shards alone

@@ -71,6 +71,11 @@ def result_line(stdout: str) -> dict | list:
 @pytest.mark.slow
 @pytest.mark.parametrize("chapter", list(BENCHES))
 def test_bench_exits_with_a_result_under_the_collective_guard(chapter):
+    if chapter == "06_pipeline":  # its yardstick, torch's schedules, hangs on gloo before torch 2.8
+        from pipeline.bench import torch_yardstick_error
+
+        if (reason := torch_yardstick_error("gloo")) is not None:
+            pytest.skip(reason)
     nproc, flags = BENCHES[chapter]
     proc = run_bench(chapter, nproc, flags)
     assert proc.returncode == 0, f"exit {proc.returncode} after {proc.seconds:.0f} s:\n{proc.stderr[-3000:]}"

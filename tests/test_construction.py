@@ -29,6 +29,7 @@ from common.dist import init_distributed
 from common.model import build_model, get_config
 from fsdp import train as fsdp_train
 from pipeline import train as pipeline_train
+from pipeline.stage import split_model
 from zero import train as zero_train
 from zero.engine import ZeroEngine
 
@@ -90,8 +91,7 @@ def pipeline_peaks() -> dict[str, int]:
                                       "--global-batch", "2", "--seq-len", "4"])
     args.cfg = CFG
     return measure(lambda: pipeline_train.PipelineStrategy(args, ctx),
-                   lambda: pipeline_train.build_stages(build_model(CFG, 0, torch.float32), CFG, 2, 1,
-                                                       ctx.rank),
+                   lambda: split_model(build_model(CFG, 0, torch.float32), 2, 1, ctx.rank),
                    max(UNIT, LARGEST * (8 + 4)))
 
 

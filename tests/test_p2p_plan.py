@@ -143,7 +143,7 @@ def recorded_step(strategy, spec: TrainSpec) -> tuple[dict, int, int]:
         return item(tensor)
 
     with P2PRecorder() as recorder, mock.patch.object(torch.Tensor, "item", counted_item):
-        strategy.executor.run(inputs, targets)
+        strategy.executor.run(inputs, targets, [torch.arange(x.shape[1]) for x in inputs])
     executor = strategy.executor
     nbytes = math.prod(executor.shape) * torch.empty((), dtype=executor.dtype).element_size()
     return dict(recorder.groups), nbytes, len(items)

@@ -30,8 +30,9 @@ from pipeline.backward_split import backward_input, backward_weight
 from pipeline.executor import PipelineExecutor
 from pipeline.schedules import Action, Schedule, make_schedule, messages, peak_in_flight, schedule_error
 from pipeline.simulator import DeadlockError, bubble_fraction, closed_form_bubble, simulate
+from pipeline.stage import split_model
 from pipeline.timeline import measured_bubble
-from pipeline.train import PipelineStrategy, build_stages
+from pipeline.train import PipelineStrategy
 from tests.equivalence import (
     TrainSpec,
     check_strategy,
@@ -253,7 +254,7 @@ def test_loss_not_divided_by_m_is_rejected_even_with_adamw(pools, optimizer):
 def stage0_activation_peaks(schedule: str, ms: list[int]) -> list[int] | None:
     """Rank 0's peak saved-activation bytes (common.memory's ledger) for one step per m."""
     cfg, p, rank = get_config("tiny", n_layers=4), dist.get_world_size(), dist.get_rank()
-    chunks = build_stages(build_model(cfg, 0, torch.float64), cfg, p, 1, rank)
+    chunks = split_model(build_model(cfg, 0, torch.float64), p, 1, rank)
     peaks = []
     for m in ms:
         executor = PipelineExecutor(make_schedule(schedule, p, m), rank, chunks, loss_fn,
@@ -261,7 +262,7 @@ def stage0_activation_peaks(schedule: str, ms: list[int]) -> list[int] | None:
         tokens = SyntheticTokens(cfg.vocab_size, 8).global_batch(0, m)
         inputs, targets = split_inputs_targets(tokens)
         with ActivationMeter(chunks[0].parameters()) as meter:
-            executor.run(list(inputs.split(1)), list(targets.split(1)))
+            executor.run(list(inputs.split(1)), list(targets.split(1)), [torch.arange(8)] * m)
         peaks.append(meter.peak_bytes)
     return peaks if rank == 0 else None
 
@@ -279,7 +280,7 @@ def split_backward_of_one_microbatch(chunk: torch.nn.Module, x: torch.Tensor, ta
                                      meter: ActivationMeter) -> int:
     """B then W on a last stage's chunk; the ledger's bytes while the graph waits for W."""
     x.requires_grad_()
-    _, state = backward_input(loss_fn(chunk(x), targets), x, None)
+    _, state = backward_input(loss_fn(chunk(x, torch.arange(x.shape[1])), targets), x, None)
     waiting = meter.current_bytes
     backward_weight(state)
     return waiting
@@ -291,7 +292,7 @@ def test_zb_split_backward_leaves_no_graph_alive_after_w_leak():
     (the ledger once held each saved output with its grad_fn, a cycle through C++ that gc cannot
     break: the graphs of every step stayed alive)."""
     cfg = get_config("tiny", n_layers=2)
-    chunk = build_stages(build_model(cfg, 0, torch.float64), cfg, 2, 1, 1)[0]  # stage 1 of 2
+    chunk = split_model(build_model(cfg, 0, torch.float64), 2, 1, 1)[0]  # stage 1 of 2
     tokens = SyntheticTokens(cfg.vocab_size, 4).global_batch(0, 3)
     generator = torch.Generator().manual_seed(0)
     with ActivationMeter(chunk.parameters()) as meter:
@@ -388,7 +389,7 @@ def test_gpu_timeline_uses_events_read_once_and_the_loss_stays_a_tensor():
     p = 1 with v = 2, so no process group). The loss comes back as a 0-dim tensor (no .item() in
     the step) equal to the mean of the micro-batches' losses."""
     cfg = get_config("tiny", n_layers=2)
-    chunks = build_stages(build_model(cfg, 0, torch.float64), cfg, 1, 2, 0)
+    chunks = split_model(build_model(cfg, 0, torch.float64), 1, 2, 0)
     executor = PipelineExecutor(make_schedule("interleaved", 1, 3, 2), 0, chunks, loss_fn,
                                 (1, 4, cfg.dim), torch.float64, torch.device("cpu"))
     executor._cuda_events = True
@@ -397,7 +398,7 @@ def test_gpu_timeline_uses_events_read_once_and_the_loss_stays_a_tensor():
     FakeCudaEvent.synchronized = 0
     with mock.patch("torch.cuda.Event", FakeCudaEvent):
         before = time.perf_counter()
-        loss = executor.run(list(inputs.split(1)), list(targets.split(1)))
+        loss = executor.run(list(inputs.split(1)), list(targets.split(1)), [torch.arange(4)] * 3)
         after = time.perf_counter()
         assert FakeCudaEvent.synchronized == 0  # nothing waits inside the step
         timeline = executor.timeline
@@ -409,6 +410,61 @@ def test_gpu_timeline_uses_events_read_once_and_the_loss_stays_a_tensor():
     model = build_model(cfg, 0, torch.float64)
     expected = sum(loss_fn(model(x), y) for x, y in zip(inputs.split(1), targets.split(1), strict=True)) / 3
     assert abs(loss.item() - expected.item()) < 1e-12
+
+
+def test_rope_positions_travel_with_each_micro_batch_to_every_chunk():
+    """The executor hands micro-batch k's positions to every chunk's forward (p = 1, v = 2: two
+    chunks, no process group): the loss is the reference model's at those positions (a CP rank's
+    zig-zag ones, an offset window), not at 0 … s-1, which a chunk reading its input's length
+    would use (and which is wrong whenever a stage holds s/t or zig-zag tokens)."""
+    cfg = get_config("tiny", n_layers=2)
+    model = build_model(cfg, 0, torch.float64)
+    executor = PipelineExecutor(make_schedule("interleaved", 1, 2, 2), 0, split_model(model, 1, 2, 0),
+                                loss_fn, (1, 4, cfg.dim), torch.float64, torch.device("cpu"))
+    inputs, targets = (list(t.split(1)) for t in split_inputs_targets(
+        SyntheticTokens(cfg.vocab_size, 4).global_batch(0, 2)))
+    positions = [torch.tensor([0, 1, 6, 7]), torch.arange(9, 13)]
+    loss = executor.run(inputs, targets, positions)
+    with torch.no_grad():
+        expected = sum(loss_fn(model(x, q), y)
+                       for x, y, q in zip(inputs, targets, positions, strict=True)) / 2
+        from_zero = sum(loss_fn(model(x), y) for x, y in zip(inputs, targets, strict=True)) / 2
+    assert abs(loss.item() - expected.item()) < 1e-12
+    assert abs(from_zero.item() - expected.item()) > 1e-6  # the positions do matter here
+    with pytest.raises(ValueError, match=r"2 input, 2 target and 1 position micro-batches for .* m = 2"):
+        executor.run(inputs, targets, positions[:1])
+
+
+# --- the yardstick of bench.py: torch's schedules, and the torch they need on gloo ---------------
+
+
+def test_torch_yardstick_is_refused_on_gloo_where_torch_waits_on_one_work_per_group(monkeypatch, capsys):
+    """torch 2.6 / 2.7's pipelining waits on the last work of each batch_isend_irecv group only
+    (gloo returns one per op: the ranks hang); the bench tests for the fix and refuses, before any
+    collective, with exit 2 and one line naming the torch it needs. NCCL (one work per group) is
+    never refused. Emulated here by the old `_batch_p2p`, then by the old version number."""
+    from torch.torch_version import TorchVersion
+
+    from pipeline import bench
+
+    assert bench.torch_yardstick_error("gloo") is None  # the torch installed here has the fix
+
+    def old_batch_p2p(ops, desc=None):  # torch 2.6 / 2.7: a single work, None for no ops
+        return dist.batch_isend_irecv(ops).pop() if ops else None
+
+    monkeypatch.setattr(bench.tpp_schedules, "_batch_p2p", old_batch_p2p)
+    assert bench.torch_yardstick_error("nccl") is None
+    error = bench.torch_yardstick_error("gloo")
+    assert error is not None and "needs torch >= 2.8 on gloo" in error and "\n" not in error
+    monkeypatch.setenv("PFS_BACKEND", "gloo")
+    with pytest.raises(SystemExit) as exited:
+        bench.main(["--schedules", "1f1b"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {error}"]
+    monkeypatch.delattr(bench.tpp_schedules, "_batch_p2p")  # a later torch renames the helper
+    assert bench.torch_yardstick_error("gloo") is None
+    monkeypatch.setattr(torch, "__version__", TorchVersion("2.7.1"))
+    assert "needs torch >= 2.8" in bench.torch_yardstick_error("gloo")
 
 
 # --- bad input: refused on every rank before any send -------------------------------------------

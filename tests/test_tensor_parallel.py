@@ -21,13 +21,19 @@ from common.comm import CommMeter
 from common.data import SyntheticTokens, split_inputs_targets
 from common.dist import init_distributed
 from common.memory import ActivationMeter
-from common.model import LlamaConfig, build_model, get_config
+from common.model import LlamaConfig, RMSNorm, build_model, get_config
 from common.training import train
 from tensor_parallel import (
     ColumnParallelLinear,
+    ColumnSplit,
+    MappedInput,
     RowParallelLinear,
+    RowSplit,
+    SequenceNorm,
     SequenceParallelRMSNorm,
     VocabParallelEmbedding,
+    VocabSplit,
+    apply_tp_plan,
     gather_full,
     parallelize_llama,
     tp_shard_specs,
@@ -128,7 +134,13 @@ def embedding_and_loss_vs_dense(vocab: int, b: int, s: int, dim: int, sp: bool, 
     specs = tp_shard_specs(torch.nn.ModuleDict({"emb": p_emb, "head": p_head}), None)
     grads = gather_full({"emb.weight": p_emb.weight.grad, "head.weight": p_head.weight.grad}, specs)
     assert p_emb.vocab_start == r * math.ceil(vocab / t)
-    return {"loss": abs(loss.item() - ref.item()) / ref.item(),
+    with torch.no_grad():  # Megatron's contract: one loss per token, shaped like the targets
+        per_token = vocab_parallel_cross_entropy(p_head(p_emb(inputs)), targets, None, p_head.output_offset,
+                                                 vocab)
+        ref_tokens = torch.nn.functional.cross_entropy(head(emb(inputs)).flatten(0, 1), targets.flatten(),
+                                                       reduction="none").view(targets.shape)
+    assert per_token.shape == targets.shape
+    return {"loss": abs(loss.item() - ref.item()) / ref.item(), "per_token": _max_rel(per_token, ref_tokens),
             "demb": _max_rel(grads["emb.weight"], emb.weight.grad),
             "dhead": _max_rel(grads["head.weight"], head.weight.grad)}
 
@@ -146,7 +158,7 @@ def cross_entropy_never_gathers(vocab: int) -> dict:
     logits = _seeded((6, math.ceil(vocab / dist.get_world_size())), dist.get_rank())
     with CommMeter() as meter:
         vocab_parallel_cross_entropy(logits.requires_grad_(), torch.zeros(6, dtype=torch.long), None,
-                                     dist.get_rank() * logits.shape[1], vocab).backward()
+                                     dist.get_rank() * logits.shape[1], vocab).mean().backward()
     return meter.as_dict()
 
 
@@ -154,6 +166,78 @@ def test_vocab_parallel_cross_entropy_sends_2_all_reduces_of_n_tokens(pools):
     comm = pools.run(4, cross_entropy_never_gathers, 30)[0]
     assert set(comm) == {"all_reduce"} and comm["all_reduce"]["calls"] == 2
     assert comm["all_reduce"]["bytes"] == 2 * 3 / 4 * 3 * 6 * 8  # MAX of N, SUM of 2N, float64
+
+
+# --- the plan is a table: a user's own model, its own names ----------------------------------
+
+
+class UserSwiGLU(torch.nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.up, self.gate = torch.nn.Linear(dim, hidden), torch.nn.Linear(dim, hidden)
+        self.down = torch.nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+class UserMLP(torch.nn.Module):
+    """A model written without TP in mind, with its own attribute names (and biases): embed →
+    blocks of x + mlp(norm(x)) → head."""
+
+    def __init__(self, vocab: int, dim: int, hidden: int):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.blocks = torch.nn.ModuleList(torch.nn.ModuleDict({"norm": RMSNorm(dim, 1e-5),
+                                                               "mlp": UserSwiGLU(dim, hidden)})
+                                          for _ in range(2))
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = x + block["mlp"](block["norm"](x))
+        return self.head(x)
+
+
+USER_PLAN = {"embed": VocabSplit(), "blocks.*.norm": SequenceNorm(), "blocks.*.mlp": MappedInput(),
+             "blocks.*.mlp.up": ColumnSplit(), "blocks.*.mlp.gate": ColumnSplit(),
+             "blocks.*.mlp.down": RowSplit(), "head": ColumnSplit(pad=True)}
+
+
+def user_model_vs_dense(sp: bool, seed: int) -> dict[str, float]:
+    """Runs on every rank: the user's model cut by USER_PLAN (group = the world) against itself
+    dense: loss and every gathered gradient, max relative difference."""
+    torch.manual_seed(seed)
+    dense = UserMLP(vocab=11, dim=4, hidden=8).double()
+    model = UserMLP(vocab=11, dim=4, hidden=8).double()
+    model.load_state_dict(dense.state_dict())
+    specs = apply_tp_plan(model, None, USER_PLAN, sp)
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 11, (2, 2 * dist.get_world_size() + 1), generator=generator)
+    inputs, targets = split_inputs_targets(ids)
+    loss = vocab_parallel_loss(model.head, model(inputs), targets)
+    loss.backward()
+    ref = torch.nn.functional.cross_entropy(dense(inputs).flatten(0, 1), targets.flatten())
+    ref.backward()
+    grads = gather_full({n: q.grad for n, q in model.named_parameters()}, specs)
+    return {"loss": abs(loss.item() - ref.item()) / ref.item(),
+            **{n: _max_rel(grads[n], q.grad) for n, q in dense.named_parameters()}}
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_a_plan_with_a_users_own_names_equals_the_dense_model(pools, sp):
+    """The styles, not LLaMA's names, carry the split: a model with other attribute names, cut by
+    its own seven-entry table, gives the dense loss and gradients (float64, t = 2)."""
+    diffs = pools.run(2, user_model_vs_dense, sp, 3)[0]
+    assert max(diffs.values()) < 1e-12, diffs
+
+
+def test_a_plan_entry_naming_no_module_fails_before_anything_is_cut():
+    model = UserMLP(vocab=11, dim=4, hidden=8)
+    with pytest.raises(ValueError, match=r"'blocks\.\*\.mlp\.upp': blocks\.0\.mlp has no submodule 'upp'"):
+        apply_tp_plan(model, None, {"head": ColumnSplit(pad=True), "blocks.*.mlp.upp": ColumnSplit()})
+    assert isinstance(model.head, torch.nn.Linear)  # untouched
 
 
 # --- the model, trained through the shared loop --------------------------------------------
