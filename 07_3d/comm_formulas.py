@@ -13,7 +13,8 @@ CP (c ranks), per block per micro-batch: chapter 05's `cp_comm_bytes` of the rin
     the attention (full or selective)
 PP: one message [b, s/c (/t under SP), h] per F of a stage < S-1 and per B of a stage > 0.
 DP (FSDP over the dp·c ranks of a (pp, tp) position, d = dp·c), per unit with P_u TP-local
-    parameters padded to d·⌈P_u/d⌉:
+    parameters padded to d·⌈P_u/d⌉ (chapter 04's `fsdp.formulas.unit_comm_bytes`; the count of
+    unshards per schedule is this file's):
     all-gather (d-1)/d·P_u·b_param at each unshard: FULL_SHARD blocks twice per micro-batch
     (forward, backward); a root unit and SHARD_GRAD_OP blocks once per stretch of forwards and
     once per backward that follows a backward (each backward frees every unit at its end);
@@ -27,6 +28,7 @@ import math
 
 import torch
 
+from fsdp.formulas import unit_comm_bytes, unit_traffic
 from tensor_parallel.formulas import Shape, cp_comm_bytes, microbatch_comm_bytes
 
 # Forward collectives a recomputed block runs again, (all-gathers or f's, reduce-scatters or g's).
@@ -107,13 +109,9 @@ def comm_bytes_per_step(strategy, steps: int) -> float:
         backward = "W" if sched.split_backward and stage == 0 else "B"
         ends = (("W",) if stage == 0 else ("B", "W")) if sched.split_backward else ("B",)
         full_shard = strategy.sharding.name == "FULL_SHARD"
-        for unit in chunk.shard_layout():
-            if unit.shard_world > 1:
-                gathers = fsdp_gathers(mine, unit.name == "", full_shard, backward, ends)
-                total += gathers * ring(d) * unit.full_bytes
-                total += backwards * ring(d) * unit.padded_numel * unit.reduce_dtype.itemsize
-            elif d > 1:
-                total += backwards * ring(d, 2) * unit.padded_numel * unit.reduce_dtype.itemsize
+        for unit in unit_traffic(chunk.shard_layout()):  # chapter 04's per-unit formula
+            gathers = fsdp_gathers(mine, unit.is_root, full_shard, backward, ends)
+            total += unit_comm_bytes(unit, d, strategy.sharding, gathers, backwards)
     total += cp_bytes_per_step(strategy, 1)
     message = math.prod(strategy.activation_shape) * e
     total += message * sum(sched.send(rank, a) is not None for a in actions)
