@@ -1,10 +1,12 @@
 """Chapter 04: FSDP from scratch with torch's API shape (units, auto-wrap, MixedPrecision,
-ShardingStrategy). See fully_sharded.py's docstring for the public API."""
+ShardingStrategy, BackwardPrefetch). See fully_sharded.py's docstring for the public API."""
 
 from .flat_param import FlatParamHandle, ParamShard, UnitShard
+from .formulas import UnitTraffic, fsdp_comm_bytes, unit_comm_bytes, unit_traffic
 from .fully_sharded import FullyShardedDataParallel
 from .state import clean_name
 from .wrap import (
+    BackwardPrefetch,
     MixedPrecision,
     ModuleWrapPolicy,
     ShardingStrategy,
@@ -14,6 +16,7 @@ from .wrap import (
 
 FSDP = FullyShardedDataParallel
 
-__all__ = ["FSDP", "FlatParamHandle", "FullyShardedDataParallel", "MixedPrecision", "ModuleWrapPolicy",
-           "ParamShard", "ShardingStrategy", "UnitShard", "clean_name", "size_based_auto_wrap_policy",
-           "transformer_auto_wrap_policy"]
+__all__ = ["FSDP", "BackwardPrefetch", "FlatParamHandle", "FullyShardedDataParallel", "MixedPrecision",
+           "ModuleWrapPolicy", "ParamShard", "ShardingStrategy", "UnitShard", "UnitTraffic", "clean_name",
+           "fsdp_comm_bytes", "size_based_auto_wrap_policy", "transformer_auto_wrap_policy",
+           "unit_comm_bytes", "unit_traffic"]

@@ -12,25 +12,28 @@ median over the timed rounds.
 Memory is what each rank holds after the step: parameters + gradients + optimizer state, counted
 from the live (local) tensors, each storage once.
 
-Prints a table, then one JSON line: {"chapter": 4, "bench": "fsdp", ...}.
+Prints a table, then one JSON line: {"chapter": 4, "bench": "fsdp", ...}. Where the installed
+torch cannot run FSDP2 (torch < 2.7 on CPU) every rank exits 2 with the reason, before any collective.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from functools import partial
 
 import torch
 
 from common import bench as harness
-from common.cli import DTYPES
+from common.cli import DTYPES, ConfigError, exit_on_config_error
 from common.dist import print0
 from common.memory import storage_bytes
 from common.model import TransformerBlock, build_model, count_parameters, get_config
 from common.reference import make_optimizer
 from data_parallel import DistributedDataParallel
 from fsdp import FullyShardedDataParallel, ShardingStrategy, transformer_auto_wrap_policy
-from fsdp.torch_fsdp2 import fully_shard_llama, local
+from fsdp.torch_fsdp2 import fsdp2_unavailable, fully_shard_llama, local
+from fsdp.train import device_type
 
 TARGET = 1.2  # the issue's goal: ours/torch FSDP2 step time ≤ 1.2 (aim ≤ 1.0)
 STRATEGIES = ("ours", "torch_fsdp2", "ddp")
@@ -52,7 +55,7 @@ def wrap(strategy: str, model: torch.nn.Module, args: argparse.Namespace,
         return FullyShardedDataParallel(
             model, auto_wrap_policy=partial(transformer_auto_wrap_policy,
                                             transformer_layer_cls={TransformerBlock}),
-            sharding_strategy=ShardingStrategy[args.sharding_strategy])
+            sharding_strategy=ShardingStrategy[args.sharding_strategy], forward_prefetch=True)
     if strategy == "torch_fsdp2":
         return fully_shard_llama(model, device, args.sharding_strategy == "FULL_SHARD")
     return DistributedDataParallel(model)
@@ -69,6 +72,9 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer, strate
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    missing = fsdp2_unavailable(device_type())
+    if missing is not None:  # before any process group: every rank exits 2 with the reason
+        exit_on_config_error(os.environ.get("RANK", "?"), ConfigError(f"torch FSDP2 yardstick: {missing}"))
     ctx = harness.launch(args.global_batch)
     cfg, dtype = get_config(args.model), DTYPES[args.dtype]
     n_params = count_parameters(build_model(cfg, args.seed, dtype, "meta"))

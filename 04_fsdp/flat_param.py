@@ -24,7 +24,7 @@ it holds [max(r·S, o), min((r+1)·S, o+n)) − o: `ParamShard` (name, shape, of
 the piece sits in the shard); `UnitShard` is one unit's public description. With `orig_params`
 (torch's use_orig_params=True) each original parameter stays registered as a view of its piece
 (1-D while sharded, its own shape with one shard), and its `.grad` is a view of the gradient shard.
-Depends only on torch.
+Depends only on torch and common/collectives.py.
 """
 
 from __future__ import annotations
@@ -36,18 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-
-def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
-    """`dist.all_gather_single` (torch >= 2.13), else `dist.all_gather_into_tensor`; looked up at
-    call time so that a communication meter wrapping `torch.distributed` sees it."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(output, input, group=group, async_op=async_op)
-
-
-def reduce_scatter_flat(output: torch.Tensor, input: torch.Tensor, group, async_op: bool = False):
-    """SUM reduce-scatter (never AVG: gloo on torch 2.5-2.8 silently returns the SUM for it)."""
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+from common.collectives import all_gather_single, reduce_scatter_single
 
 
 @dataclass(frozen=True)
@@ -91,8 +80,9 @@ class FlatParamHandle:
     `params`: (name, owner module, attribute) for each parameter of the unit, in registration
     order; a parameter reachable under several names (tied within the unit) is stored once.
     Parameters on the meta device get their values from `init_fn(param)` (the full tensor, on
-    any device), called only for those that overlap this rank's shard, one at a time; the shard
-    is allocated on `init_device` (default CPU): a rank holds its shard and one parameter at most.
+    any device), called only for those that overlap this rank's shard, one at a time: a rank
+    holds its shard and one parameter at most. The shard is allocated on `init_device` (default:
+    the parameters' device, CPU for meta ones).
     `orig_params`: keep each original parameter registered, as a view of its piece of the shard."""
 
     def __init__(self, params: list[tuple[str, nn.Module, str]], group, shard: bool,
@@ -115,7 +105,6 @@ class FlatParamHandle:
                 self.names.append(name)
                 self.shapes.append(p.shape)
             self.setters.append((module, attr, unique[id(p)]))
-        self.param_ids = set(unique)
         dtypes = {p.dtype for p in originals}
         devices = {p.device for p in originals}
         grads = {p.requires_grad for p in originals}
@@ -129,10 +118,9 @@ class FlatParamHandle:
         self.padded = self.shard_numel * self.shard_world
         self.pad = self.padded - self.numel
         dtype, device = dtypes.pop(), devices.pop()
-        if device.type == "meta":
-            if init_fn is None:
-                raise ValueError(f"{self.names} are on the meta device: pass param_init_fn")
-            device = torch.device(init_device or "cpu")
+        if device.type == "meta" and init_fn is None:
+            raise ValueError(f"{self.names} are on the meta device: pass init_fn")
+        device = torch.device(init_device or ("cpu" if device.type == "meta" else device))
         shard = torch.zeros(self.shard_numel, dtype=dtype, device=device)
         with torch.no_grad():
             for p, (offset, n, at) in zip(originals, self.pieces(), strict=True):
@@ -140,6 +128,7 @@ class FlatParamHandle:
                     full = init_fn(p) if p.is_meta else p.detach()
                     shard[at : at + n] = full.reshape(-1)[offset : offset + n]
                     del full  # a drawn parameter must not outlive its copy: peak = shard + one
+        del p
         self.flat_param = nn.Parameter(shard, requires_grad=grads.pop())
         self.orig: list[nn.Parameter] | None = None
         if orig_params:
@@ -150,6 +139,7 @@ class FlatParamHandle:
                 delattr(module, attr)  # the module's weights become views of `full` in forward
             else:
                 module._parameters[attr] = self.orig[i]
+        originals.clear()  # the unit's whole parameters are freed here, before `full` is allocated
         self.param_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or self.param_dtype
         self.alias = self.shard_world == 1 and self.param_dtype == dtype
@@ -208,7 +198,7 @@ class FlatParamHandle:
         if self.shard_world == 1:
             self.full.data.copy_(source)
             return
-        work = all_gather_flat(self.full.data, source, self.group, async_op=async_op)
+        work = all_gather_single(self.full.data, source, self.group, async_op=async_op)
         self._gather = (work, source) if async_op else None
 
     def wait_unshard(self) -> None:
@@ -258,7 +248,7 @@ class FlatParamHandle:
             self._reduce = (work, grad, grad)
         else:
             out = grad.new_empty(self.shard_numel)
-            self._reduce = (reduce_scatter_flat(out, grad, self.group, async_op=True), out, grad)
+            self._reduce = (reduce_scatter_single(out, grad, self.group, async_op=True), out, grad)
 
     def finish_grad(self) -> None:
         """Wait for the reduction, divide by N and accumulate into the shard's `.grad`."""
@@ -304,6 +294,6 @@ class FlatParamHandle:
         if self.shard_world == 1:
             return shard
         out = shard.new_empty(self.padded)
-        all_gather_flat(out, shard.contiguous(), self.group)
+        all_gather_single(out, shard.contiguous(), self.group)
         return out
 

@@ -19,44 +19,46 @@ once. SHARD_GRAD_OP keeps every unit gathered from forward to the end of backwar
 bytes, no memory saving on parameters during the step. Persistent memory per rank:
 (params + grads + optimizer)/N (+ padding to a multiple of N per unit).
 
-Public API (stable; chapter 07 wraps a pipeline stage of tensor-parallel blocks over a DP group):
-  FullyShardedDataParallel(module, process_group=None, sharding_strategy=, auto_wrap_policy=,
-      mixed_precision=, device_id=, sync_module_states=False, forward_prefetch=True,
-      backward_prefetch=True, param_init_fn=None, use_orig_params=False)
-                                              any nn.Module whose forward reads its weights
-                                              as attributes (module.weight); process_group may be
-                                              a sub-group (ranks are group ranks). A module on
-                                              the meta device: param_init_fn(name, meta param)
-                                              returns a parameter's full values (e.g. on CPU),
-                                              only for those overlapping this rank's shards;
-                                              the shards are allocated on device_id (default
-                                              CPU), so no rank ever holds a whole unit
-  .parameters()                               the flat shards (give them to any torch optimizer);
-                                              use_orig_params=True: the original parameters
-                                              under their names, views of their pieces (1-D
-                                              while sharded), grads views of the grad shard
-  .shard_layout()                             [UnitShard] per unit, root first: its flat shard,
-                                              and for every original parameter its ParamShard
-                                              (name, shape, offset, numel, shard_offset)
-  .no_sync()                                  accumulate unsharded grads locally (call on the root)
+Public API: torch's FSDP1 signature, defaults and meanings (chapter 07 wraps a pipeline stage of
+tensor-parallel blocks over a DP group):
+  FullyShardedDataParallel(module, process_group=None, sharding_strategy=FULL_SHARD, cpu_offload=None,
+      auto_wrap_policy=None, backward_prefetch=BackwardPrefetch.BACKWARD_PRE, mixed_precision=None,
+      ignored_modules=None, param_init_fn=None, device_id=None, sync_module_states=False,
+      forward_prefetch=False, limit_all_gathers=True, use_orig_params=False, ignored_states=None,
+      device_mesh=None, *, shard_init_fn=None)
+    any module whose forward reads its weights as attributes (module.weight); process_group may be
+    a sub-group. Refused, with the fix: an offloading cpu_offload, ignored_modules/_states,
+    device_mesh, HYBRID_SHARD. limit_all_gathers is moot: at most one unit is prefetched ahead.
+    A meta-device module, torch's way: each unit calls param_init_fn(module) on its modules (or
+    to_empty + reset_parameters), then shards: the peak is one unit. Ours, cheaper:
+    shard_init_fn(name, meta_param) returns a parameter's full values, called only for those
+    overlapping this rank's shards: no rank holds a whole unit. Shards live on device_id
+    (default: the parameters' device; CPU for meta ones).
+  .parameters() / .named_parameters()         the flat shards (give them to any torch optimizer);
+      use_orig_params=True: the original parameters, views of their pieces (1-D while sharded),
+      whose grads are views of the (accumulated) grad shard. Names are nn.Module's, with
+      `_fsdp_wrapped_module.` (as torch's); clean_name() strips it.
+  .no_sync()                                  accumulate unsharded grads locally (on the root)
   .clip_grad_norm_(max_norm, norm_type=2.0)   torch's clipping, norm over every shard of the group
-  .full_state_dict(rank0_only=True)           {original name: full tensor} on group rank 0
-  .full_gradients(rank0_only=True)            the same for the shards' gradients (zeros if None)
-  .load_full_state_dict(sd)                   every rank passes full tensors, keeps its slice
-  .sharded_state_dict() / .load_sharded_state_dict(sd)  {"<unit>._flat_param": shard} per rank
+  .state_dict() / .load_state_dict(sd)        torch's default, FULL_STATE_DICT: {original name:
+      full tensor} on every rank (a collective) / every rank passes the full tensors, keeps its slice
+  .full_state_dict(rank0_only=True), .full_gradients(rank0_only=True)  the same, on group rank 0
+  .local_state_dict() / .load_local_state_dict(sd)  {"<unit>._flat_param": shard} per rank
+  .shard_layout()                             [UnitShard] per unit, root first: its flat shard and,
+      for every original parameter, its ParamShard (name, shape, offset, numel, shard_offset)
   .units()                                    every FSDP instance under the root, root first;
                                               each has .unit_name ("" for the root)
   .memory_trace                               set to [] to record (event, unit, live bytes, phase)
 
-MixedPrecision(..., _module_classes_to_ignore=(RMSNorm,)) (torch's field): each module of those
-classes becomes its own unit in the module's dtype; it casts its inputs to that dtype and its
-outputs back to param_dtype.
+MixedPrecision(..., _module_classes_to_ignore=(RMSNorm,)) (torch's field, used with an
+auto_wrap_policy as in torch): each module of those classes becomes its own unit in the module's
+dtype; it casts its inputs to that dtype and its outputs back to param_dtype.
 
 Semantics a caller may rely on: several forwards may precede their backwards (1F1B); every
 backward (each `backward()` call) ends with all reductions landed in the shards' `.grad` and
 every unit freed; the next use gathers again. Each unit's gradient reduction is SUM then ÷ N.
 
-Depends only on torch.
+Depends only on torch, common/clip.py and common/collectives.py.
 """
 
 from __future__ import annotations
@@ -66,12 +68,29 @@ from contextlib import contextmanager
 from functools import partial
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .flat_param import FlatParamHandle
-from .state import WRAPPED, ShardedStateMixin, clean_name
-from .wrap import AutoWrapPolicy, MixedPrecision, ShardingStrategy, apply_auto_wrap, exempting
+from .state import (
+    WRAPPED,
+    ShardedStateMixin,
+    broadcast_from_rank0,
+    clean_name,
+    materialize,
+    on_meta,
+    tied_parameters,
+    unit_modules,
+)
+from .wrap import (
+    AutoWrapPolicy,
+    BackwardPrefetch,
+    MixedPrecision,
+    ShardingStrategy,
+    apply_auto_wrap,
+    cast_floating,
+    check_options,
+    exempting,
+)
 
 
 def _tensors(obj) -> list[torch.Tensor]:
@@ -82,16 +101,6 @@ def _tensors(obj) -> list[torch.Tensor]:
     if isinstance(obj, dict):
         return [t for o in obj.values() for t in _tensors(o)]
     return []
-
-
-def _cast_inputs(obj, dtype: torch.dtype):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cast_inputs(o, dtype) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _cast_inputs(v, dtype) for k, v in obj.items()}
-    return obj
 
 
 class _RootState:
@@ -109,66 +118,56 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
     """Shards `module`'s parameters over `process_group`; see the module docstring."""
 
     def __init__(self, module: nn.Module, process_group=None,
-                 sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
+                 sharding_strategy: ShardingStrategy | None = None, cpu_offload=None,
                  auto_wrap_policy: AutoWrapPolicy | None = None,
-                 mixed_precision: MixedPrecision | None = None,
+                 backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+                 mixed_precision: MixedPrecision | None = None, ignored_modules=None,
+                 param_init_fn: Callable[[nn.Module], None] | None = None,
                  device_id: int | torch.device | None = None, sync_module_states: bool = False,
-                 forward_prefetch: bool = True, backward_prefetch: bool = True,
-                 param_init_fn: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
-                 use_orig_params: bool = False):
+                 forward_prefetch: bool = False, limit_all_gathers: bool = True,
+                 use_orig_params: bool = False, ignored_states=None, device_mesh=None, *,
+                 shard_init_fn: Callable[[str, torch.Tensor], torch.Tensor] | None = None):
         super().__init__()
-        if not isinstance(sharding_strategy, ShardingStrategy):
-            raise ValueError(f"sharding_strategy={sharding_strategy!r}: use a ShardingStrategy "
-                             f"({', '.join(s.name for s in ShardingStrategy)})")
+        sharding_strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
+        check_options(process_group, sharding_strategy, backward_prefetch, cpu_offload, ignored_modules,
+                      ignored_states, device_mesh, param_init_fn, shard_init_fn, sync_module_states)
+        tied = tied_parameters(module)
         device = torch.device("cuda", device_id) if isinstance(device_id, int) else device_id
-        if param_init_fn is not None:  # nested units see their own names: map back to ours by identity
+        if shard_init_fn is not None:  # nested units see their own names: map back to ours by identity
             names = {id(p): clean_name(n) for n, p in module.named_parameters()}
-            init, param_init_fn = param_init_fn, lambda _, p: init(names[id(p)], p)
-        elif device is not None:
+            init, shard_init_fn = shard_init_fn, lambda _, p: init(names[id(p)], p)
+        elif device is not None and not on_meta(module.modules()):
             module.to(device)
         self.process_group, self.sharding_strategy = process_group, sharding_strategy
         self.mixed_precision = mixed_precision or MixedPrecision()
         self.forward_prefetch, self.backward_prefetch = forward_prefetch, backward_prefetch
         self.use_orig_params = use_orig_params
         self._exempt_output_dtype: torch.dtype | None = None  # set on a unit exempt from mixed precision
+        self._buffer_dtypes: dict[tuple[int, str], torch.dtype] = {}  # before buffer_dtype, for state dicts
         self.add_module(WRAPPED, module)
         # original names in registration order (for state dicts ordered like the module's own)
         self._original_order = {clean_name(n): i for i, (n, _) in enumerate(module.named_parameters())}
-        if sync_module_states:  # before any unit flattens its share: group rank 0's values
-            src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
-            with torch.no_grad():
-                for t in [*module.parameters(), *module.buffers()]:
-                    dist.broadcast(t.data, src=src, group=process_group)
-        exempt = tuple(self.mixed_precision._module_classes_to_ignore)
-        if auto_wrap_policy is not None or exempt:
-            kwargs = dict(process_group=process_group, sharding_strategy=sharding_strategy,
-                          mixed_precision=mixed_precision, sync_module_states=False,
-                          forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch,
-                          device_id=device, param_init_fn=param_init_fn, use_orig_params=use_orig_params)
-
-            def make_unit(m: nn.Module) -> FullyShardedDataParallel:
-                if not isinstance(m, exempt):
-                    return FullyShardedDataParallel(m, **kwargs)
-                unit = FullyShardedDataParallel(m, **{**kwargs, "mixed_precision": None})
-                unit._exempt_output_dtype = self.mixed_precision.param_dtype
-                return unit
-
-            made = apply_auto_wrap(module, exempting(auto_wrap_policy, exempt), make_unit,
-                                   lambda m: isinstance(m, FullyShardedDataParallel))
-            if made == 0 and auto_wrap_policy is not None:
-                kinds = sorted({type(m).__name__ for m in module.modules()})
-                raise ValueError(
-                    f"auto_wrap_policy wrapped no submodule of {type(module).__name__} (its module "
-                    f"classes: {', '.join(kinds)}): check transformer_layer_cls, or pass "
-                    "auto_wrap_policy=None to shard the whole model as one unit")
-        self._cast_buffers(module)
+        if auto_wrap_policy is not None:  # the units below first (post-order), each built like this one
+            self._wrap_units(module, auto_wrap_policy, dict(
+                process_group=process_group, sharding_strategy=sharding_strategy,
+                mixed_precision=mixed_precision, sync_module_states=sync_module_states,
+                forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch, device_id=device,
+                param_init_fn=param_init_fn, shard_init_fn=shard_init_fn, use_orig_params=use_orig_params))
+        modules = unit_modules(module, lambda m: isinstance(m, FullyShardedDataParallel))
+        if shard_init_fn is None and on_meta(modules):  # torch's: this unit whole, then sharded
+            materialize(modules, param_init_fn, device)
+        if sync_module_states:  # group rank 0's values, before this unit flattens its share
+            broadcast_from_rank0([t for m in modules for t in (*m.parameters(recurse=False),
+                                                               *m.buffers(recurse=False))],
+                                 process_group, device)
+        self._cast_buffers(modules, device)
         own = self._own_parameters(module)
         mp = self.mixed_precision
         self._handle = (FlatParamHandle(own, process_group,
                                         shard=sharding_strategy != ShardingStrategy.NO_SHARD,
                                         param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
                                         on_event=self._on_event, init_device=device,
-                                        init_fn=None if param_init_fn is None else partial(param_init_fn, ""),
+                                        init_fn=None if shard_init_fn is None else partial(shard_init_fn, ""),
                                         orig_params=use_orig_params)
                         if own else None)
         if self._handle is not None:
@@ -176,16 +175,42 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
                 self._flat_param = self._handle.flat_param  # registered: what .parameters() yields
             if self._handle.full.requires_grad:
                 self._handle.full.register_post_accumulate_grad_hook(self._post_backward)
-        self._adopt_units()
+        self._adopt_units(tied)
 
     # --- construction -------------------------------------------------------------------------
 
-    def _cast_buffers(self, module: nn.Module) -> None:
+    def _wrap_units(self, module: nn.Module, policy: AutoWrapPolicy, kwargs: dict) -> None:
+        """Make the policy's units (torch's order: post-order), and with mixed precision one unit
+        per instance of `_module_classes_to_ignore`, computing in the module's own dtype."""
+        exempt = tuple(self.mixed_precision._module_classes_to_ignore) if kwargs["mixed_precision"] else ()
+
+        def make_unit(m: nn.Module) -> FullyShardedDataParallel:
+            if not isinstance(m, exempt):
+                return FullyShardedDataParallel(m, **kwargs)
+            unit = FullyShardedDataParallel(m, **{**kwargs, "mixed_precision": None})
+            unit._exempt_output_dtype = self.mixed_precision.param_dtype
+            return unit
+
+        made = apply_auto_wrap(module, exempting(policy, exempt) if exempt else policy, make_unit,
+                               lambda m: isinstance(m, FullyShardedDataParallel))
+        if made == 0:
+            kinds = sorted({type(m).__name__ for m in module.modules()})
+            raise ValueError(
+                f"auto_wrap_policy wrapped no submodule of {type(module).__name__} (its module "
+                f"classes: {', '.join(kinds)}): check transformer_layer_cls, or pass "
+                "auto_wrap_policy=None to shard the whole model as one unit")
+
+    def _cast_buffers(self, modules: list[nn.Module], device: torch.device | None) -> None:
+        """Floating buffers to buffer_dtype (their dtype remembered for state dicts), all to `device`."""
         dtype = self.mixed_precision.buffer_dtype
-        for m in self._own_modules(module):
+        for m in modules:
             for name, b in list(m._buffers.items()):
-                if dtype is not None and b is not None and b.is_floating_point():
-                    m._buffers[name] = b.to(dtype)
+                if b is None:
+                    continue
+                if dtype is not None and b.is_floating_point():
+                    self._buffer_dtypes[(id(m), name)] = b.dtype
+                    b = b.to(dtype)
+                m._buffers[name] = b.to(device or b.device)
 
     @staticmethod
     def _own_modules(module: nn.Module) -> Iterator[nn.Module]:
@@ -203,33 +228,25 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
                     own.append((f"{prefix[id(m)]}.{attr}".lstrip("."), m, attr))
         return own
 
-    def _adopt_units(self) -> None:
-        """This instance becomes the root of every unit below it; shared parameters are refused."""
+    def _adopt_units(self, tied: list[list[str]]) -> None:
+        """This instance becomes the root of every unit below it; a parameter registered under
+        names in two units (`tied`) is refused."""
         self._state = _RootState()
-        owner: dict[int, str] = {}
         for name, unit in self.named_modules():
-            if not isinstance(unit, FullyShardedDataParallel):
-                continue
-            object.__setattr__(unit, "_root", self)  # not a submodule: a back-reference
-            unit._is_root, unit.unit_name = unit is self, clean_name(name)
-            if unit._handle is None:
-                continue
-            unit._handle.name = unit.unit_name or "<root>"
-            for pid in unit._handle.param_ids:
-                if pid in owner:
-                    raise ValueError(
-                        f"a parameter is shared between units {owner[pid] or '<root>'!r} and "
-                        f"{unit.unit_name or '<root>'!r}: FSDP shards each unit's parameters "
-                        "separately, so tied weights must live in one unit (wrap their common "
-                        "parent, or untie them)")
-                owner[pid] = unit.unit_name
-            unit._handle.on_event = unit._on_event
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        """torch's FSDP names: the wrappers' `_fsdp_wrapped_module.` segments removed."""
-        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
-            yield clean_name(name), p
+            if isinstance(unit, FullyShardedDataParallel):
+                object.__setattr__(unit, "_root", self)  # not a submodule: a back-reference
+                unit._is_root, unit.unit_name = unit is self, clean_name(name)
+                if unit._handle is not None:
+                    unit._handle.name, unit._handle.on_event = unit.unit_name or "<root>", unit._on_event
+        units = [u.unit_name for u in self.units() if u._handle is not None]
+        for names in tied:
+            owners = sorted({max((u for u in units if u == "" or n.startswith(f"{u}.")), key=len)
+                             for n in names})
+            if len(owners) > 1:
+                raise ValueError(
+                    f"a parameter is shared between units {owners[0] or '<root>'!r} and "
+                    f"{owners[1] or '<root>'!r}: FSDP shards each unit's parameters separately, so "
+                    "tied weights must live in one unit (wrap their common parent, or untie them)")
 
     def units(self) -> list[FullyShardedDataParallel]:
         """Every FSDP instance under this root (root first), with or without parameters."""
@@ -263,11 +280,12 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
     def forward(self, *args, **kwargs):
         state = self._root._state
         mp = self.mixed_precision
-        if self._is_root and mp.param_dtype is not None and mp.cast_forward_inputs:
-            args, kwargs = _cast_inputs(args, mp.param_dtype), _cast_inputs(kwargs, mp.param_dtype)
+        if mp.param_dtype is not None and (mp.cast_root_forward_inputs if self._is_root
+                                           else mp.cast_forward_inputs):
+            args, kwargs = cast_floating(args, mp.param_dtype), cast_floating(kwargs, mp.param_dtype)
         if self._exempt_output_dtype is not None and self._handle is not None:
             dtype = self._handle.full.dtype
-            args, kwargs = _cast_inputs(args, dtype), _cast_inputs(kwargs, dtype)
+            args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
         if self._handle is not None:
             if not state.order_frozen and self not in state.order:
                 state.order.append(self)
@@ -280,7 +298,7 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
         if self._handle is not None:
             self._handle.register_orig_params()
         if self._exempt_output_dtype is not None:
-            output = _cast_inputs(output, self._exempt_output_dtype)
+            output = cast_floating(output, self._exempt_output_dtype)
         if self._is_root:
             state.order_frozen = True
         needs_grad = [t for t in _tensors(output) if t.requires_grad]
@@ -321,7 +339,7 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
             if self._handle is not None:
                 self._handle.unshard()
                 self._handle.wait_unshard()
-            if self.backward_prefetch:  # the unit whose backward runs next
+            if self.backward_prefetch == BackwardPrefetch.BACKWARD_PRE:  # the next unit's backward
                 order = self._root._state.order
                 self._prefetch(order[-1] if self._is_root and order and order[-1] is not self
                                else None if self._is_root else self._neighbour(-1))
@@ -336,11 +354,14 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _post_backward(self, full: torch.Tensor) -> None:
-        """The unit's gradient is complete: start its reduction, free the gathered copy."""
+        """The unit's gradient is complete: free the gathered copy, (BACKWARD_POST) start gathering
+        the unit whose backward runs next, start this unit's reduction (torch's order)."""
         grad, full.grad = full.grad, None
         self._root._queue_final_callback()
-        self._handle.reduce_grad(grad, self._root._state.sync)
         self._reshard()
+        if self.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
+            self._prefetch(self._neighbour(-1))
+        self._handle.reduce_grad(grad, self._root._state.sync)
 
     def _finish_backward(self) -> None:
         """End of backward (autograd-engine callback): every reduction has landed in `.grad`."""

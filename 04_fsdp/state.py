@@ -1,9 +1,10 @@
-"""Gradients and state of a sharded model: its shard layout, clipping across shards, full and
-sharded state dicts.
+"""A sharded model's state: building it (meta-device materialization, sync_module_states), its
+shard layout, clipping across shards, and its state dicts.
 
 Mixed into FullyShardedDataParallel (the root). Every function that gathers is a collective over
-the FSDP process group (every rank of the group calls it); names are the original parameter names
-of the wrapped module, without the wrappers' `_fsdp_wrapped_module` segments, so a full state dict
+the FSDP process group (every rank of the group calls it). `state_dict()` / `load_state_dict()`
+keep torch's default contract (StateDictType.FULL_STATE_DICT): the original parameter names,
+without the wrappers' `_fsdp_wrapped_module` segments, full tensors on every rank, so the dict
 loads into the unwrapped model. Clipping follows torch.nn.utils.clip_grad_norm_ (common/clip.py):
 
     total = sqrt(Σ_ranks Σ_shard g²)          (each element once: shards are disjoint)
@@ -14,10 +15,13 @@ Depends only on torch and common/clip.py.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 from common.clip import accumulate_dtype, clip_grad_norm_
 
@@ -32,6 +36,65 @@ def clean_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part and part != WRAPPED)
 
 
+# --- building a unit's state -------------------------------------------------------------------
+
+def unit_modules(module: nn.Module, is_unit: Callable[[nn.Module], bool]) -> list[nn.Module]:
+    """`module` and its descendants not inside a unit below it, breadth first (torch's order)."""
+    out, queue, seen = [], deque([module]), {id(module)}
+    while queue:
+        m = queue.popleft()
+        out.append(m)
+        for child in m.children():
+            if not is_unit(child) and id(child) not in seen:
+                seen.add(id(child))
+                queue.append(child)
+    return out
+
+
+def tied_parameters(module: nn.Module) -> list[list[str]]:
+    """The names of each parameter registered under several names (read while every parameter
+    is alive: a unit frees its originals once flattened, and their ids may be reused)."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(clean_name(name))
+    return [group for group in names.values() if len(group) > 1]
+
+
+def on_meta(modules: Iterable[nn.Module]) -> bool:
+    """Does any of `modules` hold a parameter or buffer (its own) on the meta device?"""
+    return any(t.is_meta for m in modules for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))
+
+
+def materialize(modules: list[nn.Module], param_init_fn: Callable[[nn.Module], None] | None,
+                device: torch.device | None) -> None:
+    """torch's meta-device initialization of one unit's modules, before it is flattened (so a rank
+    holds one whole unit at most): `param_init_fn(module)` for each module, or without one, for
+    each module with parameters or buffers, `to_empty(device)` then `reset_parameters()`."""
+    for m in modules:
+        if param_init_fn is not None:
+            param_init_fn(m)
+        elif [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
+            if not hasattr(m, "reset_parameters"):
+                raise ValueError(
+                    f"{type(m).__name__} is on the meta device and has no reset_parameters(): pass "
+                    "param_init_fn(module) (torch's: materialize it, e.g. module.to_empty(device=...,"
+                    " recurse=False), then set its values) or shard_init_fn(name, meta_param)")
+            m.to_empty(device=device or torch.device("cpu"), recurse=False)
+            m.reset_parameters()
+
+
+def broadcast_from_rank0(tensors: Iterable[torch.Tensor], group, device: torch.device | None) -> None:
+    """torch's sync_module_states=True: every rank takes group rank 0's values (one broadcast per
+    tensor, on `device`: NCCL takes no CPU tensor)."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        for t in tensors:
+            on_device = t.detach().to(device or t.device)
+            dist.broadcast(on_device, src=src, group=group)
+            if on_device.data_ptr() != t.data_ptr():
+                t.copy_(on_device)
+
+
 class ShardedStateMixin:
     """Methods of the root FullyShardedDataParallel over all of its units' flat parameters."""
 
@@ -39,6 +102,11 @@ class ShardedStateMixin:
         """The flat-parameter handle of every unit that has parameters (root first); private:
         `shard_layout()` is the public description of what a rank holds."""
         return [u._handle for u in self.units() if u._handle is not None]
+
+    def _require_root(self, method: str) -> None:
+        if not self._is_root:
+            raise RuntimeError(f"{method} must be called on the root FullyShardedDataParallel, not on "
+                               f"the unit {self.unit_name!r}")
 
     def shard_layout(self) -> list[UnitShard]:
         """Every unit under this root that has parameters (root first), as this rank holds it:
@@ -59,14 +127,17 @@ class ShardedStateMixin:
         return out
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """torch's clip_grad_norm_ over the whole (sharded) model: total = ||all grads||, each
-        element counted once (shards are summed over the group; NO_SHARD grads are replicated);
-        grads *= min(1, max_norm / (total + 1e-6)). Returns the total norm (collective)."""
+        """torch's FSDP.clip_grad_norm_ over the whole (sharded) model, on the root: total = ||all
+        grads||, each element counted once (shards are summed over the group; NO_SHARD grads are
+        replicated); grads *= min(1, max_norm / (total + 1e-6)). Returns the total norm (collective)."""
+        self._require_root("clip_grad_norm_()")
         flats = [h.flat_param for h in self._handles()]
         sharded = self.sharding_strategy != ShardingStrategy.NO_SHARD
         return clip_grad_norm_([p.grad for p in flats], max_norm, norm_type=norm_type,
                                groups=(self.process_group or dist.group.WORLD,) if sharded else (),
                                device=flats[0].device, dtype=accumulate_dtype(flats))
+
+    # --- state dicts ---------------------------------------------------------------------------
 
     def _gather_named(self, tensor_of: Callable[[UnitShard], torch.Tensor | None],
                       rank0_only: bool) -> dict[str, torch.Tensor] | None:
@@ -80,33 +151,71 @@ class ShardedStateMixin:
         order = self._original_order
         return dict(sorted(out.items(), key=lambda kv: order.get(kv[0], len(order))))
 
+    def _named_buffers(self) -> dict[str, tuple[nn.Module, str]]:
+        """Persistent buffers by original name: (owner module, attribute)."""
+        return {clean_name(f"{prefix}.{name}"): (m, name) for prefix, m in self.module.named_modules()
+                for name, b in m._buffers.items()
+                if b is not None and name not in m._non_persistent_buffers_set}
+
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor] | None:
-        """{original parameter name: full tensor (the shard's dtype, i.e. the fp32 master in
-        mixed precision)} plus the buffers, on group rank 0 (every rank if not rank0_only).
-        A collective over the group: every rank calls it."""
+        """{original name: full tensor}: the parameters in the shard's dtype (the fp32 master in
+        mixed precision), the buffers in their own dtype (before buffer_dtype), on group rank 0
+        (every rank if not rank0_only). A collective over the group: every rank calls it."""
         out = self._gather_named(lambda u: u.flat_param, rank0_only)
         if out is not None:
-            out.update({clean_name(n): b.detach().clone() for n, b in self.module.named_buffers()})
+            dtypes = {k: v for u in self.units() for k, v in u._buffer_dtypes.items()}
+            for name, (m, attr) in self._named_buffers().items():
+                b = m._buffers[attr]
+                out[name] = b.detach().to(dtypes.get((id(m), attr), b.dtype), copy=True)
         return out
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """torch's default (FULL_STATE_DICT, rank0_only=False): `full_state_dict` on every rank,
+        keys prefixed by `prefix`. A collective over the group."""
+        if args:
+            raise TypeError("state_dict() takes keyword arguments only (destination=, prefix=, keep_vars=)")
+        self._require_root("state_dict()")
+        out = OrderedDict() if destination is None else destination
+        out.update((prefix + name, t) for name, t in self.full_state_dict(rank0_only=False).items())
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True,
+                        assign: bool = False) -> _IncompatibleKeys:
+        """torch's FULL_STATE_DICT load: every rank passes the full tensors (original names) and
+        copies its slice of each into its shards; buffers whole. No collective."""
+        self._require_root("load_state_dict()")
+        if assign:
+            raise NotImplementedError("load_state_dict(assign=True): the values are copied into the "
+                                      "flat shards; pass assign=False")
+        buffers = self._named_buffers()
+        expected = [*self._original_order, *buffers]
+        missing = [k for k in expected if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in self._original_order and k not in buffers]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: missing keys "
+                               f"{missing}, unexpected keys {unexpected} (the original parameter names)")
+        with torch.no_grad():
+            for unit in self.shard_layout():
+                for p in unit.params:
+                    if p.name in state_dict:
+                        piece = state_dict[p.name].detach().reshape(-1)[p.offset : p.offset + p.numel]
+                        unit.flat_param[p.shard_offset : p.shard_offset + p.numel].copy_(piece)
+            for name, (m, attr) in buffers.items():
+                if name in state_dict:
+                    m._buffers[attr].copy_(state_dict[name])
+        return _IncompatibleKeys(missing, unexpected)
 
     def full_gradients(self, rank0_only: bool = True) -> dict[str, torch.Tensor] | None:
         """The shards' `.grad` gathered to full shape under the original names (collective)."""
         return self._gather_named(lambda u: u.flat_param.grad, rank0_only)
 
-    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Every rank passes the full tensors; each keeps its own slice (no collective)."""
-        with torch.no_grad():
-            for unit in self.shard_layout():
-                for p in unit.params:
-                    piece = state_dict[p.name].detach().reshape(-1)[p.offset : p.offset + p.numel]
-                    unit.flat_param[p.shard_offset : p.shard_offset + p.numel].copy_(piece)
-
-    def sharded_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's shards: {"<unit>._flat_param": 1-d tensor} (root: "_flat_param")."""
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's flat shards, {"<unit>._flat_param": 1-d tensor} (root: "_flat_param"): the
+        content of torch's StateDictType.LOCAL_STATE_DICT; loads only into the same world size."""
         return {(f"{u.name}." if u.name else "") + "_flat_param": u.flat_param.detach()
                 for u in self.shard_layout()}
 
-    def load_sharded_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def load_local_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
-            for key, shard in self.sharded_state_dict().items():
+            for key, shard in self.local_state_dict().items():
                 shard.copy_(state_dict[key])

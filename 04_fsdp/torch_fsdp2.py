@@ -2,7 +2,7 @@
 
 The same units as ours (each TransformerBlock, then the root) under the shared Strategy interface,
 so `train.py --impl torch-fsdp2 --check` holds torch's implementation to the same single-device
-reference as ours, and bench.py times both.
+reference as ours, and bench.py times both. On CPU it needs torch >= 2.7 (`fsdp2_unavailable`).
 
 FSDP2 shards every parameter along dim 0 (a DTensor per parameter, each padded to a multiple of
 N rows) instead of one flat parameter per unit; the bytes it gathers and reduces are the same up
@@ -32,6 +32,17 @@ from common.memory import ActivationMeter, optimizer_state_tensors, storage_byte
 from common.model import build_model, initializer, loss_fn
 from common.reference import make_optimizer
 from common.training import Strategy
+
+
+def fsdp2_unavailable(device_type: str) -> str | None:
+    """Why torch's FSDP2 cannot run here, or None. A feature test, not a version test: FSDP2 calls
+    `record_event()` on the device's streams, which torch's CPU stream gained in 2.7 (pytorch#145935);
+    on 2.6 a CPU run fails with an AttributeError."""
+    stream = getattr(getattr(torch, device_type, None), "Stream", None)
+    if stream is None or not hasattr(stream, "record_event"):
+        return (f"torch {torch.__version__}'s {device_type} stream has no record_event(), which torch's "
+                f"FSDP2 (fully_shard) needs: use torch >= 2.7 on {device_type.upper()}")
+    return None
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -17,17 +17,26 @@ from contextlib import nullcontext
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from common.cli import DTYPES, BatchLayout, base_parser, batch_layout, model_config, require, validate_common
 from common.data import split_inputs_targets
-from common.dist import DistContext
+from common.dist import DistContext, pick_backend
 from common.memory import ActivationMeter, model_state_bytes
 from common.model import TransformerBlock, build_model, initializer, loss_fn
 from common.reference import make_optimizer
 from common.training import Strategy, run_main
-from fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy, transformer_auto_wrap_policy
-from fsdp.torch_fsdp2 import TorchFSDP2Strategy
+from fsdp import (
+    BackwardPrefetch,
+    FullyShardedDataParallel,
+    MixedPrecision,
+    ShardingStrategy,
+    fsdp_comm_bytes,
+    transformer_auto_wrap_policy,
+    unit_traffic,
+)
+from fsdp.torch_fsdp2 import TorchFSDP2Strategy, fsdp2_unavailable
 
 BF16_MIXED = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                             buffer_dtype=torch.bfloat16)  # the source article's
@@ -56,18 +65,21 @@ def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
     require(args.impl == "ours" or args.sharding_strategy != "NO_SHARD",
             "--impl torch-fsdp2 with --sharding-strategy NO_SHARD: FSDP2 has no NO_SHARD (use "
             "torch's DDP, chapter 01), pick FULL_SHARD or SHARD_GRAD_OP")
+    missing = fsdp2_unavailable(device_type()) if args.impl == "torch-fsdp2" else None
+    require(missing is None, f"--impl torch-fsdp2: {missing}")
     return batch_layout(args.global_batch, world_size, args.micro_batch, args.grad_accum)
 
 
 def wrap_llama(model: nn.Module, args: argparse.Namespace, process_group=None, device=None,
-               param_init_fn=None) -> FullyShardedDataParallel:
-    """The source article's wrapping, with our class (a meta model: see `param_init_fn`)."""
+               shard_init_fn=None) -> FullyShardedDataParallel:
+    """The source article's wrapping, with our class (a meta model: see `shard_init_fn`), and
+    prefetching in both directions unless --no-prefetch (torch's forward_prefetch default is off)."""
     return FullyShardedDataParallel(
-        model, process_group=process_group, device_id=device, param_init_fn=param_init_fn,
+        model, process_group=process_group, device_id=device, shard_init_fn=shard_init_fn,
         auto_wrap_policy=partial(transformer_auto_wrap_policy, transformer_layer_cls={TransformerBlock}),
         mixed_precision=BF16_MIXED if args.mixed_precision == "bf16" else None,
-        sharding_strategy=ShardingStrategy[args.sharding_strategy],
-        forward_prefetch=not args.no_prefetch, backward_prefetch=not args.no_prefetch)
+        sharding_strategy=ShardingStrategy[args.sharding_strategy], forward_prefetch=not args.no_prefetch,
+        backward_prefetch=None if args.no_prefetch else BackwardPrefetch.BACKWARD_PRE)
 
 
 class FSDPStrategy(Strategy):
@@ -120,8 +132,8 @@ class FSDPStrategy(Strategy):
         comm per micro-batch = (n-1)/n · b_param · (gathers) + (n-1)/n · b_reduce · P per
         reduce-scatter (2× for NO_SHARD's all-reduce); memory = Σ S_u · (b + b + 2b) + 4 bytes of
         AdamW step counter per unit (b = the shard's dtype: fp32 in mixed precision)."""
-        comm = steps * comm_bytes_per_step(self.model, len_micro(self.args, self.dp_size),
-                                           self.args.no_sync, self.args.clip_grad is not None)
+        comm = steps * comm_bytes(self.model, len_micro(self.args, self.dp_size), self.args.no_sync,
+                                  self.args.clip_grad is not None)
         units = self.model.shard_layout()
         shards = sum(u.shard_numel for u in units)
         b = units[0].flat_param.element_size()
@@ -140,7 +152,7 @@ class FSDPStrategy(Strategy):
             "sharding_strategy": self.args.sharding_strategy, "units": len(units),
             "full_params_peak": max((e["live_bytes"] for e in trace), default=0),
             "full_params_peak_formula": full_params_peak_formula(self.model),
-            "comm_per_step_vs_ddp": comm_bytes_per_step(self.model, 1, True, False) / ddp_comm
+            "comm_per_step_vs_ddp": comm_bytes(self.model, 1, True, False) / ddp_comm
             if n > 1 else None,
             "state_vs_ddp": sum(mem.values()) / ddp_state,
         }
@@ -150,27 +162,16 @@ def len_micro(args: argparse.Namespace, dp: int) -> int:
     return batch_layout(args.global_batch, dp, args.micro_batch, args.grad_accum).grad_accum
 
 
-def comm_bytes_per_step(model: FullyShardedDataParallel, grad_accum: int, no_sync: bool,
-                        clip: bool) -> float:
-    """Accounted wire bytes of one optimizer step on one rank (nccl-tests' conventions); the
-    dtypes are each unit's MixedPrecision config (UnitShard), not what its handle does."""
-    n = torch.distributed.get_world_size(model.process_group)
-    if n == 1:
-        return 0.0
-    frac, strategy = (n - 1) / n, model.sharding_strategy
-    reduces = 1 if no_sync else grad_accum
-    total = 0.0
-    units = model.shard_layout()
-    for u in units:
-        reduced = u.padded_numel * u.reduce_dtype.itemsize
-        if strategy == ShardingStrategy.NO_SHARD:
-            total += reduces * 2 * frac * reduced
-            continue
-        gathers = 1 if strategy == ShardingStrategy.SHARD_GRAD_OP or u.name == "" else 2
-        total += grad_accum * gathers * frac * u.full_bytes + reduces * frac * reduced
-    if clip and strategy != ShardingStrategy.NO_SHARD:  # the norm: one fp32 (fp64) scalar all-reduced
-        total += 2 * frac * (8 if units[0].flat_param.dtype == torch.float64 else 4)
-    return total
+def device_type() -> str:
+    """Where the ranks will run, read before any process group exists: CUDA under NCCL."""
+    return "cuda" if pick_backend() == "nccl" else "cpu"
+
+
+def comm_bytes(model: FullyShardedDataParallel, grad_accum: int, no_sync: bool, clip: bool) -> float:
+    """Accounted wire bytes of one optimizer step on one rank: `fsdp.formulas` over the units'
+    descriptions (their MixedPrecision dtypes, not what the handles do)."""
+    return fsdp_comm_bytes(unit_traffic(model.shard_layout()), dist.get_world_size(model.process_group),
+                           model.sharding_strategy, grad_accum, no_sync, clip)
 
 
 def full_params_peak_formula(model: FullyShardedDataParallel) -> int:
@@ -181,7 +182,7 @@ def full_params_peak_formula(model: FullyShardedDataParallel) -> int:
     sizes = sorted((u.full_bytes for u in units if u.name != ""), reverse=True)
     root = sum(u.full_bytes for u in units if u.name == "")
     if model.sharding_strategy == ShardingStrategy.FULL_SHARD:
-        prefetch = model.forward_prefetch or model.backward_prefetch
+        prefetch = model.forward_prefetch or model.backward_prefetch == BackwardPrefetch.BACKWARD_PRE
         return root + sum(sizes[: 2 if prefetch else 1])
     return root + sum(sizes)
 

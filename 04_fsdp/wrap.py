@@ -1,4 +1,5 @@
-"""The knobs of torch's FSDP, with torch's names: ShardingStrategy, MixedPrecision, auto-wrap.
+"""The knobs of torch's FSDP, with torch's names: ShardingStrategy, BackwardPrefetch, MixedPrecision,
+auto-wrap policies, and the refusal of the options this FSDP does not implement.
 
 A *unit* is a module whose parameters are flattened into one flat parameter and gathered together.
 `auto_wrap_policy` decides which submodules become units, with torch's calling convention
@@ -19,14 +20,34 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+NOT_IMPLEMENTED = {  # torch's ShardingStrategy members this FSDP refuses, and what to use instead
+    "HYBRID_SHARD": "shard within a node and replicate across nodes is not implemented here: shard "
+                    "over a sub-group (process_group=the node's ranks) and all-reduce across "
+                    "replicas yourself, or use chapter 07's mesh (FSDP over its DP group)",
+    "_HYBRID_SHARD_ZERO2": "not implemented (HYBRID_SHARD with SHARD_GRAD_OP inside the node): use "
+                           "SHARD_GRAD_OP over a sub-group (process_group=)",
+}
 
 
-class ShardingStrategy(enum.Enum):
+class _Strategies(enum.EnumMeta):
+    """`ShardingStrategy.HYBRID_SHARD` (torch's) raises at once, with the alternative."""
+
+    def __getattr__(cls, name: str):
+        if name in NOT_IMPLEMENTED:
+            raise AttributeError(f"ShardingStrategy.{name}: {NOT_IMPLEMENTED[name]}")
+        return super().__getattr__(name)
+
+
+class ShardingStrategy(enum.Enum, metaclass=_Strategies):
     """What each rank keeps of a unit's parameters (P = parameters, N = ranks of the group):
 
     FULL_SHARD     P/N params, grads and optimizer state; gather in forward AND in backward (ZeRO-3)
     SHARD_GRAD_OP  P/N at rest; the gathered params live from forward to the end of backward (ZeRO-2-like)
     NO_SHARD       the whole P on every rank; gradients all-reduced (DDP with flat parameters)
+
+    torch's HYBRID_SHARD and _HYBRID_SHARD_ZERO2 are not implemented: naming them raises.
     """
 
     FULL_SHARD = "FULL_SHARD"
@@ -34,19 +55,38 @@ class ShardingStrategy(enum.Enum):
     NO_SHARD = "NO_SHARD"
 
 
+class BackwardPrefetch(enum.Enum):
+    """torch's backward prefetch (None: none). Unit k-1 runs its backward after unit k:
+
+    BACKWARD_PRE   gather k-1 when k's backward starts: overlaps it with k's gradient computation;
+                   at the peak k, k-1 and k's gradient are whole (torch's default)
+    BACKWARD_POST  gather k-1 when k's gradient is complete and k is freed: overlaps it with k's
+                   reduce-scatter only; at the peak k-1 and k's gradient are whole
+    """
+
+    BACKWARD_PRE = "BACKWARD_PRE"
+    BACKWARD_POST = "BACKWARD_POST"
+
+
 @dataclass(frozen=True)
 class MixedPrecision:
-    """`param_dtype`: the gathered (compute) copy; `reduce_dtype`: the gradient reduce-scatter;
-    `buffer_dtype`: the module's floating buffers. The sharded master parameter keeps the
-    module's own dtype (fp32), and so do its gradient and the optimizer state. None = unchanged.
-    `_module_classes_to_ignore` (torch's name): modules of these classes (e.g. RMSNorm) become
-    units of their own that gather, compute and reduce in the module's dtype."""
+    """torch's fields and defaults. `param_dtype`: the gathered (compute) copy; `reduce_dtype`: the
+    gradient reduction (None: param_dtype); `buffer_dtype`: the module's floating buffers (a state
+    dict returns them in their own dtype). The sharded master parameter keeps the module's own
+    dtype (fp32), and so do its gradient and the optimizer state. None = unchanged.
+    `cast_root_forward_inputs`: the root casts floating-point inputs to param_dtype;
+    `cast_forward_inputs`: every other unit does too. `_module_classes_to_ignore`: with an
+    auto_wrap_policy (as in torch), modules of these classes (e.g. RMSNorm) become units of their
+    own that gather, compute and reduce in the module's dtype (inputs cast to it, outputs back).
+    `keep_low_precision_grads=True` is refused: gradients are always upcast to the master dtype."""
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     buffer_dtype: torch.dtype | None = None
-    cast_forward_inputs: bool = True  # the root casts floating-point inputs to param_dtype
-    _module_classes_to_ignore: tuple[type[nn.Module], ...] = ()
+    keep_low_precision_grads: bool = False
+    cast_forward_inputs: bool = False
+    cast_root_forward_inputs: bool = True
+    _module_classes_to_ignore: tuple[type[nn.Module], ...] = (_BatchNorm,)
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
@@ -54,6 +94,54 @@ class MixedPrecision:
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise ValueError(f"MixedPrecision({name}={dtype!r}): must be a floating-point "
                                  "torch.dtype (e.g. torch.bfloat16) or None")
+        if self.keep_low_precision_grads:
+            raise NotImplementedError(
+                "MixedPrecision(keep_low_precision_grads=True) is not implemented: the gradient "
+                "shard is upcast to the master dtype after the reduction; drop the argument")
+
+
+def cast_floating(obj, dtype: torch.dtype):
+    """`obj` (a tensor, or lists, tuples, dicts of them) with its floating-point tensors cast to `dtype`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(cast_floating(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: cast_floating(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+def check_options(process_group, sharding_strategy, backward_prefetch, cpu_offload, ignored_modules,
+                  ignored_states, device_mesh, param_init_fn, shard_init_fn,
+                  sync_module_states: bool) -> None:
+    """torch's FSDP arguments this FSDP cannot honour fail here, before any collective, with the fix."""
+    if isinstance(process_group, tuple):
+        raise NotImplementedError("process_group=(intra-node, inter-node) serves HYBRID_SHARD, which is "
+                                  f"not implemented here: {NOT_IMPLEMENTED['HYBRID_SHARD']}")
+    if not isinstance(sharding_strategy, ShardingStrategy):
+        raise ValueError(f"sharding_strategy={sharding_strategy!r}: use a ShardingStrategy "
+                         f"({', '.join(s.name for s in ShardingStrategy)})")
+    if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
+        raise ValueError(f"backward_prefetch={backward_prefetch!r}: torch's FSDP takes a BackwardPrefetch "
+                         "or None; pass backward_prefetch=BackwardPrefetch.BACKWARD_PRE (the default) "
+                         "or None to disable it")
+    if cpu_offload is not None and getattr(cpu_offload, "offload_params", True):
+        raise NotImplementedError(f"cpu_offload={cpu_offload!r}: parameter offload is not implemented "
+                                  "here (chapter 03's ZeRO offloads the optimizer); pass cpu_offload=None")
+    for name, value in (("ignored_modules", ignored_modules), ("ignored_states", ignored_states)):
+        if value:
+            raise NotImplementedError(f"{name}: not implemented here, every parameter is sharded; "
+                                      "keep those modules outside the FSDP-wrapped module")
+    if device_mesh is not None:
+        raise NotImplementedError("device_mesh: not implemented here (it serves HYBRID_SHARD); pass "
+                                  "process_group= (e.g. the mesh's data-parallel group)")
+    if param_init_fn is not None and shard_init_fn is not None:
+        raise ValueError("param_init_fn and shard_init_fn both given: pass one (param_init_fn(module) "
+                         "materializes a unit, shard_init_fn(name, meta_param) draws only this "
+                         "rank's pieces)")
+    if sync_module_states and shard_init_fn is not None:
+        raise ValueError("sync_module_states=True with shard_init_fn: no rank holds whole parameters to "
+                         "broadcast; make shard_init_fn deterministic (seeded) instead, and drop one")
 
 
 AutoWrapPolicy = Callable[..., bool]
@@ -68,9 +156,16 @@ def transformer_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_nu
 
 
 def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int,
-                                min_num_params: int = 10**8) -> bool:
-    """Wrap a module once the parameters not yet in a unit below it reach `min_num_params`."""
-    return True if recurse else nonwrapped_numel >= min_num_params
+                                min_num_params: int = 10**8,
+                                force_leaf_modules: set[type[nn.Module]] | None = None,
+                                exclude_wrap_modules: set[type[nn.Module]] | None = None) -> bool:
+    """torch's: descend into, and wrap, a module once the parameters not yet in a unit below it
+    reach `min_num_params`; never descend into `force_leaf_modules` (nn.MultiheadAttention), never
+    wrap `exclude_wrap_modules` (nn.ModuleList, nn.ModuleDict: they have no forward)."""
+    leaves = {nn.MultiheadAttention} if force_leaf_modules is None else force_leaf_modules
+    excluded = {nn.ModuleList, nn.ModuleDict} if exclude_wrap_modules is None else exclude_wrap_modules
+    large = nonwrapped_numel >= min_num_params
+    return large and not isinstance(module, tuple(leaves if recurse else excluded))
 
 
 class ModuleWrapPolicy:
@@ -83,15 +178,14 @@ class ModuleWrapPolicy:
         return transformer_auto_wrap_policy(module, recurse, nonwrapped_numel, self.module_classes)
 
 
-def exempting(policy: AutoWrapPolicy | None, classes: tuple[type[nn.Module], ...]) -> AutoWrapPolicy:
-    """`policy`, except that every instance of `classes` becomes a unit (its children are not
-    visited); without a policy, descend everywhere and wrap only those."""
+def exempting(policy: AutoWrapPolicy, classes: tuple[type[nn.Module], ...]) -> AutoWrapPolicy:
+    """torch's `_or_policy(policy, each instance of classes)` for MixedPrecision's
+    `_module_classes_to_ignore`: descend everywhere; wrap what `policy` wraps, and every instance
+    of `classes` (whose children are not visited)."""
     def wrap(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
         if isinstance(module, classes):
             return not recurse
-        if policy is None:
-            return recurse
-        return policy(module=module, recurse=recurse, nonwrapped_numel=nonwrapped_numel)
+        return recurse or policy(module=module, recurse=False, nonwrapped_numel=nonwrapped_numel)
     return wrap
 
 
@@ -109,6 +203,9 @@ def apply_auto_wrap(module: nn.Module, policy: AutoWrapPolicy, wrap: Callable[[n
     """Post-order: wrap the deepest qualifying submodules of `module` first (replacing each child
     by `wrap(child)`), never `module` itself. Returns how many units were made. A module reached
     twice (registered under two names) cannot become two units: that is a ValueError."""
+    if _wrapped is None and not policy(module=module, recurse=True,
+                                       nonwrapped_numel=_unwrapped_numel(module, is_unit)):
+        return 0  # torch asks about the root too: no descent, one unit
     made, wrapped = 0, {} if _wrapped is None else _wrapped
     for name, child in list(module._modules.items()):  # not named_children(): it hides repeats
         if child is None:

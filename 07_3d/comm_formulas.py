@@ -13,7 +13,8 @@ CP (c ranks), per block per micro-batch: chapter 05's `cp_comm_bytes` of the rin
     the attention (full or selective)
 PP: one message [b, s/c (/t under SP), h] per F of a stage < S-1 and per B of a stage > 0.
 DP (FSDP over the dp·c ranks of a (pp, tp) position, d = dp·c), per unit with P_u TP-local
-    parameters padded to d·⌈P_u/d⌉:
+    parameters padded to d·⌈P_u/d⌉ (chapter 04's `fsdp.formulas.unit_comm_bytes`; the count of
+    unshards per schedule is this file's):
     all-gather (d-1)/d·P_u·b_param at each unshard: FULL_SHARD blocks twice per micro-batch
     (forward, backward); a root unit and SHARD_GRAD_OP blocks once per stretch of forwards and
     once per backward that follows a backward (each backward frees every unit at its end);
@@ -27,7 +28,8 @@ import math
 
 import torch
 
-from fsdp import UnitShard
+from fsdp import ShardingStrategy
+from fsdp.formulas import unit_comm_bytes, unit_traffic
 from parallel3d.accounting import Rank3D
 from tensor_parallel.formulas import Shape, cp_comm_bytes, microbatch_comm_bytes
 
@@ -88,16 +90,6 @@ def fsdp_gathers(actions, root: bool, full_shard: bool, backward: str = "B",
     return count
 
 
-def fsdp_unit_bytes(unit: UnitShard, d: int, gathers: int, reductions: int) -> float:
-    """FSDP's wire bytes for one unit over a step, on a group of d ranks: `gathers` all-gathers
-    of its padded flat tensor, `reductions` reduce-scatters of its gradient (NO_SHARD:
-    all-reduces). The one place 07 prices FSDP; chapter 04 owns the formula (switch here)."""
-    reduced = unit.padded_numel * unit.reduce_dtype.itemsize
-    if unit.shard_world > 1:
-        return gathers * ring(d) * unit.full_bytes + reductions * ring(d) * reduced
-    return reductions * ring(d, 2) * reduced if d > 1 else 0.0
-
-
 def comm_bytes_per_step(r: Rank3D, steps: int) -> float:
     """Per rank over `steps` steps: TP + CP + PP + FSDP + clipping (see the module doc)."""
     cfg, sched, par = r.cfg, r.schedule, r.parallel
@@ -105,7 +97,8 @@ def comm_bytes_per_step(r: Rank3D, steps: int) -> float:
     s, b, e = r.seq_len // r.sizes.cp, r.micro_batch, r.elem
     total = 0.0
     actions = sched.actions[rank]
-    full_shard = par.sharding_strategy == "FULL_SHARD"
+    sharding = ShardingStrategy[par.sharding_strategy]
+    full_shard = sharding == ShardingStrategy.FULL_SHARD
     for c, units in enumerate(r.chunk_units):
         stage = sched.stage(rank, c)
         mine = [a for a in actions if a.chunk == c]
@@ -116,9 +109,9 @@ def comm_bytes_per_step(r: Rank3D, steps: int) -> float:
         backwards = sum(a.kind == "B" for a in mine)  # = W's under ZB: one reduction each
         backward = "W" if sched.split_backward and stage == 0 else "B"
         ends = (("W",) if stage == 0 else ("B", "W")) if sched.split_backward else ("B",)
-        for unit in units:
-            gathers = fsdp_gathers(mine, unit.name == "", full_shard, backward, ends)
-            total += fsdp_unit_bytes(unit, d, gathers, backwards)
+        for unit in unit_traffic(units):  # chapter 04's per-unit formula
+            gathers = fsdp_gathers(mine, unit.is_root, full_shard, backward, ends)
+            total += unit_comm_bytes(unit, d, sharding, gathers, backwards)
     total += cp_bytes_per_step(r, 1)
     message = math.prod(r.activation_shape) * e
     total += message * sum(sched.send(rank, a) is not None for a in actions)

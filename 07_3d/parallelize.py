@@ -110,7 +110,8 @@ def apply_fsdp(chunks: list[LlamaChunk], mesh: ParallelMesh, config: Parallel3DC
         return local_piece(init(unwrapped_name(name)), tp_specs[unwrapped_name(name)])
 
     return [FSDP(c, process_group=mesh.dp_cp_group, sharding_strategy=sharding, mixed_precision=mp,
-                 auto_wrap_policy=ModuleWrapPolicy({unit}), device_id=device, param_init_fn=tp_piece)
+                 auto_wrap_policy=ModuleWrapPolicy({unit}), device_id=device, shard_init_fn=tp_piece,
+                 forward_prefetch=True)
             for c in chunks]
 
 

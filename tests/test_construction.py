@@ -9,6 +9,8 @@ is the CPU, so the meter below counts every CPU storage allocated while the stra
                                                one parameter drawn in float64 and its fp32 copy
     one (ZeRO-3)         = 2·U + 8·P           a unit's flat values and their bound copy, and the
                                                parameter being drawn into them
+    one (FSDP, torch's param_init_fn(module)) = U + 8·P   the unit materialized whole (freed before
+                                               its gathered copy is allocated), one parameter drawn
 
 U = the largest unit's bytes, P = the largest parameter's numel. On 2 ranks held is about half the
 model (ZeRO-3, which also allocates its gradient shards, runs on 4). The negative control is the
@@ -22,11 +24,14 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from common.dist import init_distributed
-from common.model import build_model, get_config
+from common.model import TransformerBlock, build_model, get_config, initializer
+from common.reference import relative_diff
+from fsdp import FullyShardedDataParallel, ModuleWrapPolicy
 from fsdp import train as fsdp_train
 from pipeline import train as pipeline_train
 from pipeline.stage import split_model
@@ -85,6 +90,31 @@ def fsdp_peaks() -> dict[str, int]:
                    max(UNIT, LARGEST * (8 + 4)))
 
 
+def fsdp_param_init_fn_peaks() -> dict:
+    """torch's contract, `param_init_fn(module)`: each unit materializes its own modules (to_empty,
+    then the reference's values), then shards them; the values are the reference's."""
+    init = initializer(CFG, 0)
+
+    def wrap_meta() -> FullyShardedDataParallel:
+        meta = build_model(CFG, 0, torch.float32, device="meta")
+        names = {id(m): n for n, m in meta.named_modules()}
+
+        def param_init_fn(module: nn.Module) -> None:
+            module.to_empty(device="cpu", recurse=False)
+            with torch.no_grad():
+                for attr, p in module.named_parameters(recurse=False):
+                    p.copy_(init(f"{names[id(module)]}.{attr}".lstrip(".")))
+
+        return FullyShardedDataParallel(meta, auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
+                                        param_init_fn=param_init_fn)
+
+    args = fsdp_train.parse_args(["--dtype", "float32"])
+    peaks = measure(wrap_meta, lambda: fsdp_train.wrap_llama(build_model(CFG, 0, torch.float32), args),
+                    UNIT + LARGEST * 8)
+    same = relative_diff(wrap_meta().state_dict(), build_model(CFG, 0, torch.float32).state_dict()) == 0
+    return {**peaks, "same": same}
+
+
 def pipeline_peaks() -> dict[str, int]:
     ctx = init_distributed()
     args = pipeline_train.parse_args(["--dtype", "float32", "--microbatches", "2",
@@ -121,6 +151,13 @@ def check(results: list[dict[str, int]], parts: int = 1) -> None:
 
 def test_fsdp_construction_peak_is_the_shard(pools):
     check(pools.run(2, fsdp_peaks))
+
+
+def test_fsdp_param_init_fn_peak_is_one_unit_and_values_are_the_references(pools):
+    """one = U + 8·P: a unit materialized whole (fp32), and one parameter drawn in float64."""
+    results = pools.run(2, fsdp_param_init_fn_peaks)
+    assert all(r.pop("same") for r in results)
+    check(results)
 
 
 def test_pipeline_construction_peak_is_the_stage(pools):

@@ -28,6 +28,7 @@ from fsdp import (
     transformer_auto_wrap_policy,
 )
 from fsdp import train as fsdp_train
+from fsdp.torch_fsdp2 import fsdp2_unavailable
 from fsdp.train import FSDPStrategy, full_params_peak_formula
 from tests.equivalence import (
     TrainSpec,
@@ -168,6 +169,10 @@ def torch_fsdp2_strategy(spec: TrainSpec, sharding: str):
     return TorchFSDP2Strategy(args, init_distributed(), spec.grad_accum)
 
 
+FSDP2_MISSING = fsdp2_unavailable("cpu")  # the suite's ranks run on CPU (gloo)
+
+
+@pytest.mark.skipif(FSDP2_MISSING is not None, reason=str(FSDP2_MISSING))
 @pytest.mark.parametrize("sharding", ["FULL_SHARD", "SHARD_GRAD_OP"])
 def test_torch_fsdp2_through_the_same_check(pools, sharding):
     """torch's own FSDP2 (fully_shard, the same units) held to the same reference (float64: FSDP2
@@ -205,7 +210,7 @@ def broken_strategy(spec: TrainSpec, broken: str) -> FSDPStrategy:
             h.finish_grad = types.MethodType(_finish_grad_without_divide, h)
         elif broken == "wrong-shard-offset":  # each rank starts from its neighbour's slice
             h.shard_rank = (h.shard_rank + 1) % h.shard_world
-    strategy.model.load_full_state_dict(full)
+    strategy.model.load_state_dict(full)
     return strategy
 
 
@@ -300,19 +305,21 @@ def state_dicts_after_training(spec: TrainSpec) -> dict:
         strategy.step()
         strategy.zero_grad()
     model = strategy.model
-    full, sharded = model.full_state_dict(), model.sharded_state_dict()
-    everywhere = model.full_state_dict(rank0_only=False)
-    fresh = fsdp_strategy(spec).model  # from init: load the full dict, then the sharded one
-    fresh.load_full_state_dict(everywhere)
+    full, local = model.full_state_dict(), model.local_state_dict()
+    everywhere = model.state_dict()  # torch's default (FULL_STATE_DICT): the full dict on every rank
+    fresh = fsdp_strategy(spec).model  # from init: load the full dict, then the local shards
+    fresh.load_state_dict(everywhere)
     via_full = fresh.full_state_dict()
     fresh2 = fsdp_strategy(spec).model
-    fresh2.load_sharded_state_dict({k: v.clone() for k, v in sharded.items()})
-    via_sharded = fresh2.full_state_dict()
-    return {"full": full, "via_full": via_full, "via_sharded": via_sharded,
-            "shard_keys": sorted(sharded), "pads": [u.padded_numel - u.numel for u in model.shard_layout()]}
+    fresh2.load_local_state_dict({k: v.clone() for k, v in local.items()})
+    via_local = fresh2.full_state_dict()
+    return {"full": full, "everywhere": everywhere, "via_full": via_full, "via_local": via_local,
+            "local_keys": sorted(local), "pads": [u.padded_numel - u.numel for u in model.shard_layout()]}
 
 
 def test_full_state_dict_equals_reference_state_dict_and_round_trips(pools):
+    """torch's contract for `state_dict()` / `load_state_dict()` (FULL_STATE_DICT): the reference's
+    names, order and values on every rank; `full_state_dict()` the same on rank 0 only."""
     spec = TrainSpec(cfg=get_config("tiny", n_layers=2, dim=40, n_heads=4, n_kv_heads=2), world_size=3,
                      global_batch=6, micro_batch=1, seq_len=5, steps=2)
     result = pools.run(3, state_dicts_after_training, spec)
@@ -324,9 +331,12 @@ def test_full_state_dict_equals_reference_state_dict_and_round_trips(pools):
     assert list(full) == list(reference)  # original names, original order
     assert relative_diff(full, dict(reference)) <= 1e-10
     assert result[1]["full"] is None  # rank 0 only
-    for key in ("via_full", "via_sharded"):
+    for r in result:
+        everywhere = r["everywhere"]
+        assert list(everywhere) == list(full) and all(torch.equal(full[n], everywhere[n]) for n in full)
+    for key in ("via_full", "via_local"):
         assert all(torch.equal(full[n], result[0][key][n]) for n in full), key
-    assert result[0]["shard_keys"] == ["_flat_param", "layers.0._flat_param", "layers.1._flat_param"]
+    assert result[0]["local_keys"] == ["_flat_param", "layers.0._flat_param", "layers.1._flat_param"]
     assert any(result[0]["pads"]), "the shapes should leave a unit that 3 does not divide (padding)"
 
 

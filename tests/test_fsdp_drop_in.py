@@ -4,6 +4,9 @@ kept out of mixed precision, and gradients reduced in the configured reduce_dtyp
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -11,9 +14,15 @@ from torch import nn
 from common.comm import CommMeter
 from common.data import local_micro_batches, split_inputs_targets
 from common.model import RMSNorm, TransformerBlock, build_model, get_config, loss_fn
-from common.reference import relative_diff
-from fsdp import FullyShardedDataParallel, MixedPrecision, ModuleWrapPolicy
-from fsdp.train import comm_bytes_per_step
+from common.reference import make_optimizer, relative_diff
+from fsdp import (
+    FullyShardedDataParallel,
+    MixedPrecision,
+    ModuleWrapPolicy,
+    clean_name,
+    fsdp_comm_bytes,
+    unit_traffic,
+)
 from tests.equivalence import TrainSpec
 
 # --- a user's own loop: param groups, a scheduler, names, a state-dict round trip ------------------
@@ -42,7 +51,7 @@ def users_loop(spec: TrainSpec) -> dict:
     optimizer, scheduler = users_optimizer(list(model.named_parameters()))
     ref_optimizer, ref_scheduler = users_optimizer(list(reference.named_parameters()))
     layout = [p for unit in model.shard_layout() for p in unit.params]
-    named = dict(model.named_parameters())
+    named = {clean_name(n): p for n, p in model.named_parameters()}  # torch's names, wrappers stripped
     grad_diff, losses, ref_losses = 0.0, [], []
     for step in range(spec.steps):
         tokens = spec.data().global_batch(step, spec.global_batch)
@@ -67,12 +76,13 @@ def users_loop(spec: TrainSpec) -> dict:
     full = model.full_state_dict(rank0_only=False)
     fresh = FullyShardedDataParallel(build_model(cfg, spec.seed + 1, torch.float64), use_orig_params=True,
                                      auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}))
-    fresh.load_full_state_dict(full)
+    fresh.load_state_dict(full)
     unwrapped = build_model(cfg, spec.seed + 1, torch.float64)
     unwrapped.load_state_dict(full)
     mean_losses = torch.stack(losses)
     dist.all_reduce(mean_losses)
     return {"names": list(named), "ref_names": [n for n, _ in reference.named_parameters()],
+            "torch_names": [n for n, _ in model.named_parameters()],
             "shapes": {n: tuple(p.shape) for n, p in named.items()}, "grad_diff": grad_diff,
             "loss_diff": max(abs(a / world - b) / b for a, b in zip(mean_losses.tolist(), ref_losses,
                                                                     strict=True)),
@@ -86,10 +96,69 @@ def test_users_loop_with_original_parameters_equals_single_device(pools):
     results = pools.run(2, users_loop, SPEC)
     for r in results:
         assert r["names"] == r["ref_names"]  # original names, original order
+        wrapped = "_fsdp_wrapped_module.layers.0._fsdp_wrapped_module.attention_norm.weight"
+        assert r["torch_names"][1] == wrapped  # torch's names, with the wrappers' segments
         assert r["grad_diff"] <= 1e-10 and r["loss_diff"] <= 1e-10 and r["param_diff"] <= 1e-10, r
         assert r["round_trip"]
     shapes = results[0]["shapes"]
     assert len(shapes["layers.0.attention.wq.weight"]) == 1  # this rank's 1-D piece, like torch's
+
+
+# --- gradient accumulation through the original parameters ---------------------------------------
+
+def accumulate_through_orig_params(spec: TrainSpec, no_sync: bool) -> dict:
+    """A user's loop that accumulates its micro-batches before each step entirely through the
+    original parameters: torch's optimizer over `model.parameters()` (use_orig_params=True), FSDP's
+    `clip_grad_norm_`, and `no_sync()` around all but the last backward or not. Beside it, on each
+    rank, the same loop on one process over the whole batch. Each step, every original parameter's
+    `.grad` (the accumulated gradient, clipped) must equal its piece of the single-process one."""
+    cfg, rank, world = spec.cfg, dist.get_rank(), dist.get_world_size()
+    model = FullyShardedDataParallel(build_model(cfg, spec.seed, torch.float64), use_orig_params=True,
+                                     auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}))
+    reference = build_model(cfg, spec.seed, torch.float64)
+    optimizers = [make_optimizer(m.parameters(), spec.optimizer, spec.lr) for m in (model, reference)]
+    named = {clean_name(n): p for n, p in model.named_parameters()}
+    layout = [p for unit in model.shard_layout() for p in unit.params]
+    grad_diff, loss_diff = 0.0, 0.0
+    for step in range(spec.steps):
+        tokens = spec.data().global_batch(step, spec.global_batch)
+        micro = local_micro_batches(tokens, rank, world, spec.micro_batch)
+        loss = torch.zeros((), dtype=torch.float64)
+        for i, batch in enumerate(micro):
+            with model.no_sync() if no_sync and i < len(micro) - 1 else nullcontext():
+                inputs, targets = split_inputs_targets(batch)
+                part = loss_fn(model(inputs), targets) / len(micro)
+                part.backward()
+            loss += part.detach()
+        model.clip_grad_norm_(spec.clip_grad)
+        ref_inputs, ref_targets = split_inputs_targets(tokens)
+        ref_loss = loss_fn(reference(ref_inputs), ref_targets)
+        ref_loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), spec.clip_grad, foreach=False)
+        ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+        for p in layout:  # this rank's piece of each accumulated gradient, read where the user reads it
+            if p.numel:
+                theirs = ref_grads[p.name].reshape(-1)[p.offset : p.offset + p.numel]
+                error = (named[p.name].grad.reshape(-1) - theirs).abs().max() / ref_grads[p.name].abs().max()
+                grad_diff = max(grad_diff, error.item())
+        dist.all_reduce(loss)
+        loss_diff = max(loss_diff, abs(loss.item() / world - ref_loss.item()) / ref_loss.item())
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    full = model.full_state_dict(rank0_only=False)
+    return {"grad_diff": grad_diff, "loss_diff": loss_diff,
+            "param_diff": relative_diff(full, {n: p.detach() for n, p in reference.named_parameters()})}
+
+
+@pytest.mark.parametrize("world, no_sync, optimizer", [(2, False, "sgd"), (3, True, "adamw")])
+def test_two_backwards_accumulate_through_the_original_parameters(pools, world, no_sync, optimizer):
+    """Two backward passes per step (each reduced, or the first under no_sync), stepped through the
+    original parameters: float64, 1e-10 against one process, every step's gradients included."""
+    spec = TrainSpec(cfg=get_config("tiny", n_layers=2), world_size=world, global_batch=2 * world,
+                     micro_batch=1, seq_len=6, steps=3, optimizer=optimizer, clip_grad=1e-2)
+    for r in pools.run(world, accumulate_through_orig_params, spec, no_sync):
+        assert max(r.values()) <= 1e-10, r
 
 
 # --- MixedPrecision(_module_classes_to_ignore=(RMSNorm,)) -------------------------------------------
@@ -130,11 +199,12 @@ def exempt_norm_grads(exempt: bool) -> dict:
         getattr(model, name).register_forward_pre_hook(
             lambda m, _, name=name: seen.__setitem__(name, m.weight.dtype))
     mp = MixedPrecision(torch.bfloat16, torch.float32, _module_classes_to_ignore=(RMSNorm,) if exempt else ())
-    fsdp = FullyShardedDataParallel(model, mixed_precision=mp, use_orig_params=True)
+    fsdp = FullyShardedDataParallel(model, mixed_precision=mp, use_orig_params=True,  # torch: with a policy
+                                    auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
     fsdp(xs[dist.get_rank()]).float().pow(2).sum().backward()
     grads = fsdp.full_gradients(rank0_only=False)
     return {"seen": seen, "diff": relative_diff(grads, reference),
-            "names": sorted(n for n, _ in fsdp.named_parameters())}
+            "names": sorted(clean_name(n) for n, _ in fsdp.named_parameters())}
 
 
 def test_mixed_precision_keeps_exempt_norms_in_fp32(pools):
@@ -158,7 +228,7 @@ def reduce_one_and_a_tiny_gradient() -> dict:
     with CommMeter() as meter:
         fsdp(x).sum().backward()
     return {"grad": fsdp.full_gradients(rank0_only=False)["weight"].item(), "bytes": meter.bytes_sent,
-            "formula": comm_bytes_per_step(fsdp, 1, no_sync=False, clip=False)}
+            "formula": fsdp_comm_bytes(unit_traffic(fsdp.shard_layout()), 2, fsdp.sharding_strategy)}
 
 
 def test_gradients_are_reduced_in_reduce_dtype_and_the_formula_says_so(pools):

@@ -24,6 +24,7 @@ from common.model import get_config
 from common.profile import WINDOW_PREFIXES, load_events, rank_lanes
 from common.training import measure_activations, rank_micro_batches, run
 from data_parallel.train import STRATEGIES, DataParallelStrategy
+from fsdp.torch_fsdp2 import fsdp2_unavailable
 from tests.equivalence import (
     TrainSpec,
     check_strategy,
@@ -183,7 +184,8 @@ TWO_MICRO = ["--global-batch", "4", "--grad-accum", "2"]
     ("data_parallel.train", ["--strategy", "naive", *TWO_MICRO]),
     ("zero.train", ["--stage", "3", *TWO_MICRO]),
     ("fsdp.train", TWO_MICRO),
-    ("fsdp.train", ["--impl", "torch-fsdp2", *TWO_MICRO]),
+    pytest.param("fsdp.train", ["--impl", "torch-fsdp2", *TWO_MICRO], marks=pytest.mark.skipif(
+        fsdp2_unavailable("cpu") is not None, reason=str(fsdp2_unavailable("cpu")))),
     ("tensor_parallel.train", ["--tp", "2", *TWO_MICRO]),
     ("pipeline.train", ["--schedule", "1f1b", "--global-batch", "4", "--microbatches", "4"]),
     ("parallel3d.train", ["--pp", "2", "--dp", "1", "--tp", "1", "--global-batch", "4",
