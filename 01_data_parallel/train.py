@@ -20,7 +20,7 @@ from common.cli import DTYPES, BatchLayout, base_parser, batch_layout, model_con
 from common.clip import clip_grad_norm_
 from common.data import split_inputs_targets
 from common.dist import DistContext
-from common.memory import optimizer_state_tensors, storage_bytes
+from common.memory import optimizer_state_bytes, optimizer_state_tensors, storage_bytes
 from common.mixed_precision import MasterWeights
 from common.model import build_model, loss_fn
 from common.reference import make_optimizer
@@ -123,7 +123,7 @@ class DataParallelStrategy(Strategy):
         P = sum(p.numel() for p in self.model.parameters())
         n_tensors, n = len(self.weights.master), self.dp_size
         param_bytes, master_bytes = self.model.output.weight.itemsize, self.weights.master[0].itemsize
-        opt = 2 * P * master_bytes + 4 * n_tensors if self.optimizer_name == "adamw" else 0
+        opt = optimizer_state_bytes(self.optimizer_name, P, master_bytes, n_tensors)
         opt += P * master_bytes if self.mixed else 0
         comm = steps * 2 * (n - 1) / n * P * self.reduce_itemsize
         return comm, {"params": P * param_bytes, "grads": P * self.reduce_itemsize, "optimizer": opt}

@@ -28,7 +28,7 @@ from torch import nn
 from common.cli import DTYPES, model_config
 from common.data import split_inputs_targets
 from common.dist import DistContext
-from common.memory import ActivationMeter, optimizer_state_tensors, storage_bytes
+from common.memory import ActivationMeter, optimizer_state_bytes, optimizer_state_tensors, storage_bytes
 from common.model import build_model, initializer, loss_fn
 from common.reference import make_optimizer
 from common.training import Strategy
@@ -137,7 +137,7 @@ class TorchFSDP2Strategy(Strategy):
         reduces = 1 if self.args.no_sync else accum
         comm = steps * (n - 1) / n * (accum * gathers * b_param + reduces * total * b_reduce)
         shard = total // n * b
-        opt = 2 * shard + 4 * len(list(self.model.parameters())) if self.args.optimizer == "adamw" else 0
+        opt = optimizer_state_bytes(self.args.optimizer, total // n, b, len(list(self.model.parameters())))
         return comm, {"params": shard, "grads": shard, "optimizer": opt}
 
     def report_extras(self) -> dict:

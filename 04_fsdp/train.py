@@ -22,7 +22,7 @@ from torch import nn
 from common.cli import DTYPES, BatchLayout, base_parser, batch_layout, model_config, require, validate_common
 from common.data import split_inputs_targets
 from common.dist import DistContext
-from common.memory import ActivationMeter, model_state_bytes
+from common.memory import ActivationMeter, model_state_bytes, optimizer_state_bytes
 from common.model import TransformerBlock, build_model, initializer, loss_fn
 from common.reference import make_optimizer
 from common.training import Strategy, run_main
@@ -125,7 +125,7 @@ class FSDPStrategy(Strategy):
         units = self.model.shard_layout()
         shards = sum(u.shard_numel for u in units)
         b = units[0].flat_param.element_size()
-        opt = (2 * shards * b + 4 * len(units)) if self.args.optimizer == "adamw" else 0
+        opt = optimizer_state_bytes(self.args.optimizer, shards, b, len(units))
         return comm, {"params": shards * b, "grads": shards * b, "optimizer": opt}
 
     def report_extras(self) -> dict:
@@ -134,7 +134,8 @@ class FSDPStrategy(Strategy):
         n, P = self.dp_size, self.n_params
         units = self.model.shard_layout()
         ddp_comm = 2 * (n - 1) / n * P * units[0].reduce_dtype.itemsize
-        ddp_state = P * units[0].flat_param.element_size() * (4 if self.args.optimizer == "adamw" else 2)
+        b = units[0].flat_param.element_size()
+        ddp_state = 2 * P * b + optimizer_state_bytes(self.args.optimizer, P, b, n_tensors=0)
         _, mem = self.formulas(1)
         return {
             "sharding_strategy": self.args.sharding_strategy, "units": len(units),

@@ -34,7 +34,7 @@ from common.cli import (
 from common.clip import clip_grad_norm_
 from common.data import split_inputs_targets
 from common.dist import DistContext
-from common.memory import optimizer_state_tensors, storage_bytes
+from common.memory import optimizer_state_bytes, optimizer_state_tensors, storage_bytes
 from common.mixed_precision import MasterWeights
 from common.model import build_model, initializer, materialize
 from common.reference import make_optimizer
@@ -221,7 +221,7 @@ class TensorParallelStrategy(Strategy):
         self.steps_run = steps  # report_extras' CP row covers the same steps
         P, n_tensors = local_parameter_count(self.shape)
         e, master = self.shape.e, self.weights.master[0].itemsize
-        opt = 2 * P * master + 4 * n_tensors if self.optimizer_name == "adamw" else 0
+        opt = optimizer_state_bytes(self.optimizer_name, P, master, n_tensors)
         opt += P * master if self.mixed else 0
         comm = steps * step_comm_bytes(self.shape, self.grad_accum, self.dp_size * self.cp,
                                        self.reduce_itemsize, self.clip_grad is not None)

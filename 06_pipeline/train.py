@@ -23,7 +23,7 @@ from common.cli import DTYPES, BatchLayout, base_parser, model_config, require, 
 from common.clip import clip_grad_norm_
 from common.data import split_inputs_targets
 from common.dist import DistContext
-from common.memory import optimizer_state_tensors, storage_bytes
+from common.memory import optimizer_state_bytes, optimizer_state_tensors, storage_bytes
 from common.mixed_precision import MasterWeights
 from common.model import LlamaConfig, build_model, initializer, loss_fn, materialize, rope_cos_sin
 from common.reference import make_optimizer
@@ -192,7 +192,7 @@ class PipelineStrategy(Strategy):
         clip = 2 * (p - 1) / p * max(b_master, 4) if self.clip_grad is not None and p > 1 else 0.0
         comm = steps * (sends * self.message_bytes() + clip)
         P = sum(q.numel() for q in self.model.parameters())
-        opt = 2 * P * b_master + 4 * len(self.weights.master) if self.optimizer_name == "adamw" else 0
+        opt = optimizer_state_bytes(self.optimizer_name, P, b_master, len(self.weights.master))
         opt += P * b_master if self.mixed else 0
         return comm, {"params": P * b, "grads": P * b_master, "optimizer": opt}
 

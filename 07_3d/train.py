@@ -41,7 +41,7 @@ from common.cli import (
 from common.clip import clip_grad_norm_
 from common.data import split_inputs_targets
 from common.dist import DistContext
-from common.memory import ActivationMeter, optimizer_state_tensors, storage_bytes
+from common.memory import ActivationMeter, optimizer_state_bytes, optimizer_state_tensors, storage_bytes
 from common.model import build_model
 from common.reference import make_optimizer
 from common.training import Strategy, run_main
@@ -307,7 +307,7 @@ class Parallel3DStrategy(ResumableStrategy, Strategy):
         counter per unit; activations: `activation_formula`. Comm: comm_formulas.comm_bytes_per_step."""
         shard = sum(u.shard_numel for u in self.unit_shards)
         b = self.unit_shards[0].flat_param.element_size()
-        opt = (2 * shard * b + 4 * len(self.unit_shards)) if self.args.optimizer == "adamw" else 0
+        opt = optimizer_state_bytes(self.args.optimizer, shard, b, len(self.unit_shards))
         comm = comm_bytes_per_step(self, steps)
         return comm, {"params": shard * b, "grads": shard * b, "optimizer": opt,
                       "activations_peak": self.activation_formula()}
