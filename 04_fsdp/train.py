@@ -13,17 +13,16 @@ reference alongside and exits 1 when the two differ beyond the README's toleranc
 from __future__ import annotations
 
 import argparse
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 
 import torch
 from torch import nn
 
 from common.cli import DTYPES, BatchLayout, base_parser, batch_layout, model_config, require, validate_common
-from common.data import split_inputs_targets
 from common.dist import DistContext
 from common.memory import ActivationMeter, model_state_bytes, optimizer_state_bytes
-from common.model import TransformerBlock, build_model, initializer, loss_fn
+from common.model import TransformerBlock, build_model, initializer
 from common.reference import make_optimizer
 from common.training import Strategy, run_main
 from fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy, transformer_auto_wrap_policy
@@ -71,7 +70,8 @@ def wrap_llama(model: nn.Module, args: argparse.Namespace, process_group=None, d
 
 
 class FSDPStrategy(Strategy):
-    """LLaMA under our FullyShardedDataParallel; the optimizer holds only the 1/N flat shards."""
+    """LLaMA under our FullyShardedDataParallel; the optimizer holds only the 1/N flat shards.
+    Each micro-batch's backward reduce-scatters (unless --no-sync); clipping is FSDP's own."""
 
     def __init__(self, args: argparse.Namespace, ctx: DistContext, process_group=None):
         cfg = model_config(args)
@@ -81,25 +81,16 @@ class FSDPStrategy(Strategy):
         self.model.memory_trace = []
         self.optimizer = make_optimizer(self.model.parameters(), args.optimizer, args.lr)
         self.args, self.n_params = args, sum(u.numel for u in self.model.shard_layout())
+        self.clip_grad = args.clip_grad
         self.name = f"fsdp-{args.sharding_strategy.lower()}"
         self.dp_rank, self.dp_size = ctx.rank, ctx.world_size
         self.mesh = {"dp": ctx.world_size}
 
-    def forward_backward(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
-        losses = []
-        for i, tokens in enumerate(micro_batches):
-            inputs, targets = split_inputs_targets(tokens)
-            accumulate = self.args.no_sync and i < len(micro_batches) - 1
-            with self.model.no_sync() if accumulate else nullcontext():
-                loss = loss_fn(self.model(inputs), targets) / len(micro_batches)
-                loss.backward()
-            losses.append(loss.detach())  # no .item(): a host sync per micro-batch
-        return torch.stack(losses).sum(dtype=torch.float64)
+    def no_sync(self) -> AbstractContextManager:
+        return self.model.no_sync() if self.args.no_sync else nullcontext()
 
-    def step(self) -> None:
-        if self.args.clip_grad is not None:
-            self.model.clip_grad_norm_(self.args.clip_grad)
-        self.optimizer.step()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return self.model.clip_grad_norm_(max_norm)
 
     def full_gradients(self) -> dict[str, torch.Tensor] | None:
         return self.model.full_gradients()
