@@ -156,7 +156,8 @@ class FlatActivationMeter(ActivationMeter):
 class ZeroStrategy(Strategy):
     """The model's parameters live in ZeroEngine's flat buffers; each rank steps its own slice.
     Stage 3 gathers one unit per TransformerBlock (`unit_policy`, FSDP's auto-wrap policy). The
-    engine's hooks reduce(-scatter) each micro-batch; clipping is its norm over the shards."""
+    engine's hooks reduce (it counts the micro-batches itself: no no_sync); clipping is its norm
+    over the shards."""
 
     unit_policy = staticmethod(lambda module: isinstance(module, TransformerBlock))
 
