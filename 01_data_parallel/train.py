@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from contextlib import nullcontext
 
 import torch
 from torch import nn
 
 from common.cli import DTYPES, BatchLayout, base_parser, batch_layout, model_config, require, validate_common
-from common.clip import clip_grad_norm_
-from common.data import split_inputs_targets
 from common.dist import DistContext
-from common.memory import optimizer_state_tensors, storage_bytes
+from common.memory import optimizer_state_bytes, optimizer_state_tensors, storage_bytes
 from common.mixed_precision import MasterWeights
-from common.model import build_model, loss_fn
+from common.model import build_model
 from common.reference import make_optimizer
 from common.training import Strategy, run_main
 from data_parallel import DistributedDataParallel, NaiveDataParallel
@@ -55,53 +52,39 @@ def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
 
 
 class DataParallelStrategy(Strategy):
-    """Whole model on every rank; `wrap` averages the gradients. In mixed precision the model
-    computes in bf16, DDP reduces fp32 `main_grad`s, and AdamW updates an fp32 master copy."""
+    """Whole model on every rank, `wrap`ped so that its backward averages the gradients; the
+    shared loop's step does the rest (the local norm is the global one: every rank holds the whole
+    averaged gradient). In mixed precision the model computes in bf16, DDP reduces fp32
+    `main_grad`s, and AdamW updates an fp32 master copy."""
 
     def __init__(self, args: argparse.Namespace, ctx: DistContext,
                  wrap: Callable[[nn.Module, argparse.Namespace], nn.Module]):
         cfg, self.mixed = model_config(args), args.mixed_precision == "bf16"
-        self.model = build_model(cfg, args.seed, torch.bfloat16 if self.mixed else DTYPES[args.dtype],
-                                 ctx.device)
-        self.dp = wrap(self.model, args)
-        self.weights = MasterWeights(self.model.parameters(), enabled=self.mixed)
+        module = build_model(cfg, args.seed, torch.bfloat16 if self.mixed else DTYPES[args.dtype], ctx.device)
+        self.model = wrap(module, args)
+        self.names = [n for n, _ in module.named_parameters()]
+        self.weights = MasterWeights(module.parameters(), enabled=self.mixed)
         self.optimizer = make_optimizer(self.weights.master, args.optimizer, args.lr)
         self.name, self.clip_grad = getattr(args, "strategy", "ddp"), args.clip_grad
         self.mesh, self.dp_rank, self.dp_size = {"dp": ctx.world_size}, ctx.rank, ctx.world_size
-        self.optimizer_name, self.reduce_itemsize = args.optimizer, (4 if self.mixed else
-                                                                     self.model.output.weight.itemsize)
+        self.optimizer_name, self.param_itemsize = args.optimizer, module.output.weight.itemsize
+        self.reduce_itemsize = 4 if self.mixed else self.param_itemsize
 
-    def forward_backward(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
-        losses = []
-        for i, tokens in enumerate(micro_batches):
-            inputs, targets = split_inputs_targets(tokens)
-            with nullcontext() if i == len(micro_batches) - 1 else self.dp.no_sync():
-                loss = loss_fn(self.dp(inputs), targets) / len(micro_batches)
-                loss.backward()
-            losses.append(loss.detach())  # no .item(): a host sync per micro-batch
-        if isinstance(self.dp, NaiveDataParallel):
-            self.dp.finish()  # the naive version reduces after backward, by hand
+    def after_backward(self) -> None:
+        if isinstance(self.model, NaiveDataParallel):
+            self.model.finish()  # the naive version reduces after backward, by hand
         if self.mixed:  # the fp32 main_grad buckets become the masters' grads, no copy
-            self.weights.grads_to_master([p.main_grad for p in self.model.parameters()])
-        return torch.stack(losses).sum(dtype=torch.float64)
-
-    def step(self) -> None:
-        """Every rank holds the whole averaged gradient: the local norm is the global one."""
-        if self.clip_grad is not None:
-            clip_grad_norm_([m.grad for m in self.weights.master], self.clip_grad)
-        self.optimizer.step()
-        self.weights.copy_to_model()
+            self.weights.grads_to_master([p.main_grad for p in self.weights.params])
 
     def zero_grad(self) -> None:
-        if isinstance(self.dp, DistributedDataParallel):
-            self.dp.zero_grad()  # in place: the gradients stay views of the buckets
+        if isinstance(self.model, DistributedDataParallel):
+            self.model.zero_grad()  # in place: the gradients stay views of the buckets
             self.weights.zero_grad()
         else:
             self.optimizer.zero_grad(set_to_none=True)
 
     def _named(self, tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        names = [n for n, _ in self.model.named_parameters()]
-        return {n: t.detach() for n, t in zip(names, tensors, strict=True)}
+        return {n: t.detach() for n, t in zip(self.names, tensors, strict=True)}
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         return self._named([m.grad for m in self.weights.master])
@@ -110,7 +93,7 @@ class DataParallelStrategy(Strategy):
         return self._named(self.weights.master)
 
     def memory(self) -> dict[str, int]:
-        grads = ([b.buffer for b in self.dp.buckets] if isinstance(self.dp, DistributedDataParallel)
+        grads = ([b.buffer for b in self.model.buckets] if isinstance(self.model, DistributedDataParallel)
                  else [p.grad for p in self.model.parameters()])
         extra = self.weights.master if self.mixed else []
         return {"params": storage_bytes(self.model.parameters()), "grads": storage_bytes(grads),
@@ -122,11 +105,11 @@ class DataParallelStrategy(Strategy):
         fp32 master copy (4P) in mixed precision: (2 + 4 + 12)·P bytes."""
         P = sum(p.numel() for p in self.model.parameters())
         n_tensors, n = len(self.weights.master), self.dp_size
-        param_bytes, master_bytes = self.model.output.weight.itemsize, self.weights.master[0].itemsize
-        opt = 2 * P * master_bytes + 4 * n_tensors if self.optimizer_name == "adamw" else 0
+        master_bytes = self.weights.master[0].itemsize
+        opt = optimizer_state_bytes(self.optimizer_name, P, master_bytes, n_tensors)
         opt += P * master_bytes if self.mixed else 0
         comm = steps * 2 * (n - 1) / n * P * self.reduce_itemsize
-        return comm, {"params": P * param_bytes, "grads": P * self.reduce_itemsize, "optimizer": opt}
+        return comm, {"params": P * self.param_itemsize, "grads": P * self.reduce_itemsize, "optimizer": opt}
 
 
 def build(args: argparse.Namespace, ctx: DistContext, layout: BatchLayout) -> Strategy:

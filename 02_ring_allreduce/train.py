@@ -128,12 +128,12 @@ class RingDataParallelStrategy(DataParallelStrategy):
         self.name = f"ddp+{args.algorithm}"
 
     def formulas(self, steps: int) -> tuple[float, dict[str, float]]:
-        buckets = [(b.buffer.numel(), b.buffer.dtype) for b in self.dp.buckets]
+        buckets = [(b.buffer.numel(), b.buffer.dtype) for b in self.model.buckets]
         _, memory = super().formulas(steps)
         return comm_formula(self.algorithm, buckets, self.dp_size, self.rank, steps), memory
 
     def report_extras(self) -> dict:
-        return {"buckets": len(self.dp.buckets)}
+        return {"buckets": len(self.model.buckets)}
 
 
 def build(args: argparse.Namespace, ctx: DistContext, layout: BatchLayout) -> Strategy:

@@ -18,18 +18,21 @@ bytes by nccl-tests' convention, f = (N-1)/N, k micro-batches per step:
     stage 3   per micro-batch: 2 all-gathers + 1 reduce-scatter    k·f·(Ψ·b_g + 2·Ψ_s·b_p) + f·Ψ_p·b_p
 
 With b_p = b_g and k = 1, stages 1-2 move exactly DP's 2f·Ψ·b and stage 3 1.5× that.
-Plain Python, no torch.
+Plain arithmetic; the optimizer's state per element is common/memory.py's `optimizer_state_bytes`.
 """
 
 from __future__ import annotations
+
+from common.memory import optimizer_state_bytes
 
 GB = 1e9
 
 
 def optimizer_bytes_per_param(optimizer: str, mixed: bool, itemsize: int) -> int:
-    """K: AdamW keeps m and v in the master dtype; bf16 mode adds the fp32 master copy."""
+    """K: AdamW keeps m and v in the master dtype (its step counters, 4 bytes a tensor, are not
+    per element: left out, as in the paper); bf16 mode adds the fp32 master copy."""
     master = 4 if mixed else itemsize
-    states = 2 * master if optimizer == "adamw" else 0
+    states = optimizer_state_bytes(optimizer, 1, master, n_tensors=0)
     return states + (4 if mixed else 0)
 
 

@@ -12,13 +12,12 @@ formula beside the measured values.
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from common.cli import (
     DTYPES,
-    BatchLayout,
     ConfigError,
     base_parser,
     batch_layout,
@@ -26,10 +25,9 @@ from common.cli import (
     require,
     validate_common,
 )
-from common.data import split_inputs_targets
 from common.dist import DistContext
 from common.memory import ActivationMeter, storage_bytes
-from common.model import TransformerBlock, build_model, initializer, loss_fn
+from common.model import TransformerBlock, build_model, initializer
 from common.reference import make_optimizer
 from common.training import Strategy, run_main
 from zero.accounting import comm_formula, memory_formula, optimizer_bytes_per_param
@@ -52,6 +50,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="stage 3: parameters smaller than this stay whole (default 1e5)")
     p.add_argument("--no-overlap", action="store_true", help="overlap_comm false: reduce after backward")
     return p.parse_args(argv)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What `validate` resolved from the flags over the config file: the engine's ZeroConfig (with
+    the batch layout written into it, as DeepSpeed's engine holds it) and the batch layout; the
+    loop reads `global_batch`, `clip_grad` and `mixed_precision` from here, not from `args`."""
+
+    zero: ZeroConfig
+    global_batch: int
+    micro_batch: int
+    grad_accum: int
+
+    @property
+    def clip_grad(self) -> float | None:
+        return self.zero.clip
+
+    @property
+    def mixed_precision(self) -> str:
+        return "bf16" if self.zero.bf16 else "none"
 
 
 def resolve_config(args: argparse.Namespace) -> ZeroConfig:
@@ -80,21 +98,23 @@ def resolve_config(args: argparse.Namespace) -> ZeroConfig:
     require(config.offload_param == "none" or config.stage == 3,
             f"offload_param with stage {config.stage}: only stage 3 partitions the parameters; use "
             "--stage 3 or remove offload_param from the config")
-    mixed = getattr(args, "mixed_precision", "none")
-    if config.bf16 or mixed == "bf16":
-        config, args.mixed_precision = replace(config, bf16=True), "bf16"
+    if getattr(args, "mixed_precision", "none") == "bf16":
+        config = replace(config, bf16=True)
+    require(not config.bf16 or args.dtype == "float32",
+            f"bf16 (the config's, or --mixed-precision) with --dtype {args.dtype}: the master weights "
+            "are float32, use --dtype float32")
     if config.clip is not None:
         require(args.clip_grad in (None, config.clip),
                 f"--clip-grad {args.clip_grad} disagrees with the config's gradient_clipping "
                 f"{config.gradient_clipping}: drop one of the two")
-        args.clip_grad = config.clip
     elif args.clip_grad is not None:
         config = replace(config, gradient_clipping=args.clip_grad)
     return config
 
 
-def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
-    """Everything that can be wrong with the input, checked on every rank before any collective."""
+def validate(args: argparse.Namespace, world_size: int) -> RunConfig:
+    """Everything that can be wrong with the input, checked on every rank before any collective;
+    the resolved run (`args` stays what the user typed)."""
     config = resolve_config(args)
     validate_common(args)
     micro, accum = args.micro_batch, args.grad_accum
@@ -112,12 +132,10 @@ def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
                 f"the config's {source} = {value} disagrees with --global-batch {global_batch} on "
                 f"{world_size} ranks: make them agree (DeepSpeed: train_batch_size = micro × accumulation "
                 "× ranks), or drop --global-batch")
-    args.global_batch = global_batch
     layout = batch_layout(global_batch, world_size, micro, accum)
-    args.zero = replace(config, gradient_accumulation_steps=layout.grad_accum,
-                        train_micro_batch_size_per_gpu=layout.micro_batch)
-    args.grad_accum, args.micro_batch = layout.grad_accum, layout.micro_batch
-    return layout
+    config = replace(config, gradient_accumulation_steps=layout.grad_accum,
+                     train_micro_batch_size_per_gpu=layout.micro_batch)
+    return RunConfig(config, global_batch, layout.micro_batch, layout.grad_accum)
 
 
 class FlatActivationMeter(ActivationMeter):
@@ -137,40 +155,32 @@ class FlatActivationMeter(ActivationMeter):
 
 class ZeroStrategy(Strategy):
     """The model's parameters live in ZeroEngine's flat buffers; each rank steps its own slice.
-    Stage 3 gathers one unit per TransformerBlock (`unit_policy`, FSDP's auto-wrap policy)."""
+    Stage 3 gathers one unit per TransformerBlock (`unit_policy`, FSDP's auto-wrap policy). The
+    engine's hooks reduce (it counts the micro-batches itself: no no_sync); clipping is its norm
+    over the shards."""
 
     unit_policy = staticmethod(lambda module: isinstance(module, TransformerBlock))
 
-    def __init__(self, args: argparse.Namespace, ctx: DistContext, process_group=None):
-        cfg, config = model_config(args), args.zero
+    def __init__(self, args: argparse.Namespace, ctx: DistContext, run: RunConfig, process_group=None):
+        cfg, config = model_config(args), run.zero
         # stage 3 builds on the meta device: the engine draws one unit at a time and keeps its
         # shard (stages 0-2 replicate the parameters: every rank holds the whole model anyway)
         sharded = config.stage == 3
         model = build_model(cfg, args.seed, DTYPES[args.dtype], "meta" if sharded else ctx.device)
         init = initializer(cfg, args.seed) if sharded else None
         self.engine = ZeroEngine(model, lambda ps: make_optimizer(ps, args.optimizer, args.lr), config,
-                                 process_group, gradient_accumulation_steps=args.grad_accum,
+                                 process_group, gradient_accumulation_steps=run.grad_accum,
                                  unit_policy=self.unit_policy, param_init_fn=init, device=ctx.device)
         self.model, self.optimizer, self.config = model, self.engine.optimizer, config
+        self.clip_grad, self.grad_norm = config.clip, None
         self.name = f"zero-{config.stage}" + ("-offload" if config.offload else "")
         self.dp_rank, self.dp_size = self.engine.rank, self.engine.world
         self.mesh = {"dp": self.dp_size}
         self.optimizer_name, self.itemsize = args.optimizer, DTYPES[args.dtype].itemsize
 
-    def forward_backward(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
-        losses = []
-        for tokens in micro_batches:
-            inputs, targets = split_inputs_targets(tokens)
-            loss = loss_fn(self.engine(inputs), targets) / len(micro_batches)
-            loss.backward()  # the engine's hooks reduce; its end-of-backward callback waits
-            losses.append(loss.detach())  # no .item(): a host sync per micro-batch
-        return torch.stack(losses).sum(dtype=torch.float64)
-
-    def step(self) -> None:
-        self.engine.step()
-
-    def zero_grad(self) -> None:
-        self.engine.zero_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        self.grad_norm = self.engine.clip_grad_norm_(max_norm)  # read once, by the report
+        return self.grad_norm
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         return self.engine.full_gradients()
@@ -208,11 +218,12 @@ class ZeroStrategy(Strategy):
 
     def report_extras(self) -> dict:
         return {"zero_config": to_dict(self.config), "memory_offloaded": self.memory_offloaded(),
-                "zero_sizes": self.sizes(), "grad_norm": self.engine.last_grad_norm}
+                "zero_sizes": self.sizes(),
+                "grad_norm": None if self.grad_norm is None else self.grad_norm.item()}
 
 
-def build(args: argparse.Namespace, ctx: DistContext, layout: BatchLayout) -> Strategy:
-    return ZeroStrategy(args, ctx)
+def build(args: argparse.Namespace, ctx: DistContext, run: RunConfig) -> Strategy:
+    return ZeroStrategy(args, ctx, run)
 
 
 if __name__ == "__main__":

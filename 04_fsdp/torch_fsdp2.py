@@ -20,16 +20,17 @@ is what would show it (a loss curve under AdamW barely does).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from common.cli import DTYPES, model_config
-from common.data import split_inputs_targets
 from common.dist import DistContext
-from common.memory import ActivationMeter, optimizer_state_tensors, storage_bytes
-from common.model import build_model, initializer, loss_fn
+from common.memory import ActivationMeter, optimizer_state_bytes, optimizer_state_tensors, storage_bytes
+from common.model import build_model, initializer
 from common.reference import make_optimizer
 from common.training import Strategy
 
@@ -93,23 +94,20 @@ class TorchFSDP2Strategy(Strategy):
         self.model = model
         self.optimizer = make_optimizer(model.parameters(), args.optimizer, args.lr)
         self.name, self.mesh = f"torch-fsdp2-{args.sharding_strategy.lower()}", {"dp": ctx.world_size}
-        self.dp_rank, self.dp_size = ctx.rank, ctx.world_size
+        self.dp_rank, self.dp_size, self.clip_grad = ctx.rank, ctx.world_size, args.clip_grad
 
-    def forward_backward(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
-        losses = []
-        for i, tokens in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            self.model.set_requires_gradient_sync(last or not self.args.no_sync)
-            inputs, targets = split_inputs_targets(tokens)
-            loss = loss_fn(self.model(inputs), targets) / len(micro_batches)
-            loss.backward()
-            losses.append(loss.detach())  # no .item(): a host sync per micro-batch
-        return torch.stack(losses).sum(dtype=torch.float64)
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """--no-sync: FSDP2's set_requires_gradient_sync(False), no reduce-scatter until the last."""
+        self.model.set_requires_gradient_sync(not self.args.no_sync)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
 
-    def step(self) -> None:
-        if self.args.clip_grad is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip_grad, foreach=False)
-        self.optimizer.step()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """torch's own, on the DTensor gradients (it all-reduces the sharded norm itself)."""
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=False)
 
     def _full(self, grads: bool) -> dict[str, torch.Tensor] | None:
         out = {n: (p.grad if grads else p).full_tensor().detach() for n, p in self.model.named_parameters()}
@@ -148,7 +146,7 @@ class TorchFSDP2Strategy(Strategy):
         reduces = 1 if self.args.no_sync else accum
         comm = steps * (n - 1) / n * (accum * gathers * b_param + reduces * total * b_reduce)
         shard = total // n * b
-        opt = 2 * shard + 4 * len(list(self.model.parameters())) if self.args.optimizer == "adamw" else 0
+        opt = optimizer_state_bytes(self.args.optimizer, total // n, b, len(list(self.model.parameters())))
         return comm, {"params": shard, "grads": shard, "optimizer": opt}
 
     def report_extras(self) -> dict:

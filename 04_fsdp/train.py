@@ -13,7 +13,7 @@ reference alongside and exits 1 when the two differ beyond the README's toleranc
 from __future__ import annotations
 
 import argparse
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from functools import partial
 
 import torch
@@ -21,10 +21,9 @@ import torch.distributed as dist
 from torch import nn
 
 from common.cli import DTYPES, BatchLayout, base_parser, batch_layout, model_config, require, validate_common
-from common.data import split_inputs_targets
 from common.dist import DistContext, pick_backend
-from common.memory import ActivationMeter, model_state_bytes
-from common.model import TransformerBlock, build_model, initializer, loss_fn
+from common.memory import ActivationMeter, model_state_bytes, optimizer_state_bytes
+from common.model import TransformerBlock, build_model, initializer
 from common.reference import make_optimizer
 from common.training import Strategy, run_main
 from fsdp import (
@@ -83,7 +82,8 @@ def wrap_llama(model: nn.Module, args: argparse.Namespace, process_group=None, d
 
 
 class FSDPStrategy(Strategy):
-    """LLaMA under our FullyShardedDataParallel; the optimizer holds only the 1/N flat shards."""
+    """LLaMA under our FullyShardedDataParallel; the optimizer holds only the 1/N flat shards.
+    Each micro-batch's backward reduce-scatters (unless --no-sync); clipping is FSDP's own."""
 
     def __init__(self, args: argparse.Namespace, ctx: DistContext, process_group=None):
         cfg = model_config(args)
@@ -93,25 +93,16 @@ class FSDPStrategy(Strategy):
         self.model.memory_trace = []
         self.optimizer = make_optimizer(self.model.parameters(), args.optimizer, args.lr)
         self.args, self.n_params = args, sum(u.numel for u in self.model.shard_layout())
+        self.clip_grad = args.clip_grad
         self.name = f"fsdp-{args.sharding_strategy.lower()}"
         self.dp_rank, self.dp_size = ctx.rank, ctx.world_size
         self.mesh = {"dp": ctx.world_size}
 
-    def forward_backward(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
-        losses = []
-        for i, tokens in enumerate(micro_batches):
-            inputs, targets = split_inputs_targets(tokens)
-            accumulate = self.args.no_sync and i < len(micro_batches) - 1
-            with self.model.no_sync() if accumulate else nullcontext():
-                loss = loss_fn(self.model(inputs), targets) / len(micro_batches)
-                loss.backward()
-            losses.append(loss.detach())  # no .item(): a host sync per micro-batch
-        return torch.stack(losses).sum(dtype=torch.float64)
+    def no_sync(self) -> AbstractContextManager:
+        return self.model.no_sync() if self.args.no_sync else nullcontext()
 
-    def step(self) -> None:
-        if self.args.clip_grad is not None:
-            self.model.clip_grad_norm_(self.args.clip_grad)
-        self.optimizer.step()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return self.model.clip_grad_norm_(max_norm)
 
     def full_gradients(self) -> dict[str, torch.Tensor] | None:
         return self.model.full_gradients()
@@ -137,7 +128,7 @@ class FSDPStrategy(Strategy):
         units = self.model.shard_layout()
         shards = sum(u.shard_numel for u in units)
         b = units[0].flat_param.element_size()
-        opt = (2 * shards * b + 4 * len(units)) if self.args.optimizer == "adamw" else 0
+        opt = optimizer_state_bytes(self.args.optimizer, shards, b, len(units))
         return comm, {"params": shards * b, "grads": shards * b, "optimizer": opt}
 
     def report_extras(self) -> dict:
@@ -146,7 +137,8 @@ class FSDPStrategy(Strategy):
         n, P = self.dp_size, self.n_params
         units = self.model.shard_layout()
         ddp_comm = 2 * (n - 1) / n * P * units[0].reduce_dtype.itemsize
-        ddp_state = P * units[0].flat_param.element_size() * (4 if self.args.optimizer == "adamw" else 2)
+        b = units[0].flat_param.element_size()
+        ddp_state = 2 * P * b + optimizer_state_bytes(self.args.optimizer, P, b, n_tensors=0)
         _, mem = self.formulas(1)
         return {
             "sharding_strategy": self.args.sharding_strategy, "units": len(units),

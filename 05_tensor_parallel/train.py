@@ -34,7 +34,7 @@ from common.cli import (
 from common.clip import clip_grad_norm_
 from common.data import split_inputs_targets
 from common.dist import DistContext
-from common.memory import optimizer_state_tensors, storage_bytes
+from common.memory import optimizer_state_bytes, optimizer_state_tensors, storage_bytes
 from common.mixed_precision import MasterWeights
 from common.model import build_model, initializer, materialize
 from common.reference import make_optimizer
@@ -124,9 +124,10 @@ def mesh_groups(rank: int, world: int, tp: int, cp: int = 1):
 
 
 class TensorParallelStrategy(Strategy):
-    """parallelize_llama on a TP group of `tp` ranks, gradient averaging over the DP group. In
-    mixed precision the TP model computes in bf16, each micro-batch's gradients accumulate into
-    fp32 master gradients, the DP all-reduce is fp32, AdamW updates the fp32 master shards."""
+    """parallelize_llama on a TP group of `tp` ranks, gradient averaging over the DP group after
+    the last micro-batch. In mixed precision the TP model computes in bf16, each micro-batch's
+    gradients accumulate into fp32 master gradients as backward produces them, the DP all-reduce
+    is fp32, AdamW updates the fp32 master shards."""
 
     def __init__(self, args: argparse.Namespace, ctx: DistContext, layout: BatchLayout):
         cfg, self.mixed = model_config(args), args.mixed_precision == "bf16"
@@ -149,6 +150,7 @@ class TensorParallelStrategy(Strategy):
         self.weights = MasterWeights(self.model.parameters(), enabled=self.mixed)
         if self.mixed:
             self.model.to(torch.bfloat16)  # in place: the masters keep the fp32 values
+        self.weights.accumulate_in_backward()  # fp32 sum of the micro-batches, as the reference casts
         self.optimizer = make_optimizer(self.weights.master, args.optimizer, args.lr)
         self.optimizer_name, self.clip_grad = args.optimizer, args.clip_grad
         self.name = ("tp+sp" if self.sequence_parallel else "tp") + ("+cp" if self.cp > 1 else "")
@@ -161,44 +163,33 @@ class TensorParallelStrategy(Strategy):
                            self.sequence_parallel, e)
         self.grad_accum, self.reduce_itemsize = layout.grad_accum, (4 if self.mixed else e)
 
-    def forward_backward(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
-        losses = []
+    def micro_batch_loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        inputs, targets = split_inputs_targets(tokens)
         positions = None
-        for tokens in micro_batches:
-            inputs, targets = split_inputs_targets(tokens)
-            if self.cp > 1:  # this CP rank's zig-zag tokens; RoPE at their global positions
-                inputs, targets = (shard_sequence(x, self.cp, self.cp_rank) for x in (inputs, targets))
-                positions = zigzag_positions(self.seq_len, self.cp, self.cp_rank, inputs.device)
-            logits = self.model(inputs, positions)
-            loss = vocab_parallel_loss(self.model.output, logits, targets) / len(micro_batches)
-            loss.backward()
-            losses.append(loss.detach())  # no .item(): a host sync per micro-batch
-            self.weights.grads_to_master(accumulate=True)  # fp32 sum, as the reference casts
-        if self.dp_size * self.cp > 1:  # SUM over dp × cp, then / (dp·cp) (never ReduceOp.AVG)
+        if self.cp > 1:  # this CP rank's zig-zag tokens; RoPE at their global positions
+            inputs, targets = (shard_sequence(x, self.cp, self.cp_rank) for x in (inputs, targets))
+            positions = zigzag_positions(self.seq_len, self.cp, self.cp_rank, inputs.device)
+        return vocab_parallel_loss(self.model.output, self.model(inputs, positions), targets)
+
+    def after_backward(self) -> None:
+        """SUM over dp × cp, then / (dp·cp) (never ReduceOp.AVG): one flat all-reduce per step."""
+        if self.dp_size * self.cp > 1:
             grads = [m.grad for m in self.weights.master]
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.grad_group)
             flat.div_(self.dp_size * self.cp)
             for g, chunk in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
                 g.copy_(chunk.view_as(g))
-        return torch.stack(losses).sum(dtype=torch.float64)
 
     def _named(self, grads: bool) -> dict[str, torch.Tensor]:
         return {n: (m.grad if grads else m) for n, m in zip(self.names, self.weights.master, strict=True)}
 
-    def step(self) -> None:
-        """Clip by the norm of the full model: summed over the TP group, each piece counted on one
-        of its copies; the DP and CP ranks hold the same averaged gradients, so no sum over them."""
-        if self.clip_grad is not None:
-            grads = self._named(True)
-            counted = [g for n, g in grads.items() if self.specs[n].counted_here]
-            clip_grad_norm_(grads.values(), self.clip_grad, counted, groups=(self.tp_group,))
-        self.optimizer.step()
-        self.weights.copy_to_model()
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        self.model.zero_grad(set_to_none=True)
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The norm of the full model: summed over the TP group, each piece counted on one of its
+        copies; the DP and CP ranks hold the same averaged gradients, so no sum over them."""
+        grads = self._named(True)
+        counted = [g for n, g in grads.items() if self.specs[n].counted_here]
+        return clip_grad_norm_(grads.values(), max_norm, counted, groups=(self.tp_group,))
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         return gather_full(self._named(True), self.specs)
@@ -221,7 +212,7 @@ class TensorParallelStrategy(Strategy):
         self.steps_run = steps  # report_extras' CP row covers the same steps
         P, n_tensors = local_parameter_count(self.shape)
         e, master = self.shape.e, self.weights.master[0].itemsize
-        opt = 2 * P * master + 4 * n_tensors if self.optimizer_name == "adamw" else 0
+        opt = optimizer_state_bytes(self.optimizer_name, P, master, n_tensors)
         opt += P * master if self.mixed else 0
         comm = steps * step_comm_bytes(self.shape, self.grad_accum, self.dp_size * self.cp,
                                        self.reduce_itemsize, self.clip_grad is not None)

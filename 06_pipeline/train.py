@@ -22,7 +22,7 @@ from common.cli import DTYPES, BatchLayout, base_parser, model_config, require, 
 from common.clip import clip_grad_norm_
 from common.data import split_inputs_targets
 from common.dist import DistContext
-from common.memory import optimizer_state_tensors, storage_bytes
+from common.memory import optimizer_state_bytes, optimizer_state_tensors, storage_bytes
 from common.mixed_precision import MasterWeights
 from common.model import build_model, initializer, loss_fn, materialize
 from common.reference import make_optimizer
@@ -91,8 +91,10 @@ def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
 
 
 class PipelineStrategy(Strategy):
-    """This rank's chunks, their optimizer, and the executor of the chosen schedule. In mixed
-    precision the chunks compute in bf16 and AdamW updates fp32 master copies."""
+    """This rank's chunks, their optimizer, and the executor of the chosen schedule, which
+    replaces the shared micro-batch loop (`forward_backward`); the loop's step clips by the norm
+    over all stages. In mixed precision the chunks compute in bf16 and AdamW updates fp32 master
+    copies."""
 
     executor_class = PipelineExecutor
 
@@ -137,20 +139,12 @@ class PipelineStrategy(Strategy):
         self.weights.grads_to_master()
         return loss  # a 0-dim tensor on the last stage (the loop reads it once), else None
 
-    def step(self) -> None:
-        """Clip by the norm over all stages (each parameter lives on one rank: every rank counts
-        all it holds, summed over the pipeline group), then the optimizer; in mixed precision
-        copy the masters back to the bf16 chunks."""
-        if self.clip_grad is not None:
-            group = self.group if self.group is not None else dist.group.WORLD
-            clip_grad_norm_([q.grad for q in self.weights.master], self.clip_grad, groups=(group,),
-                            device=self.device)
-        self.optimizer.step()
-        self.weights.copy_to_model()
-
-    def zero_grad(self) -> None:
-        for q in [*self.weights.master, *self.model.parameters()]:
-            q.grad = None
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The norm over all stages: each parameter lives on one rank, so every rank counts all it
+        holds, summed over the pipeline group."""
+        group = self.group if self.group is not None else dist.group.WORLD
+        return clip_grad_norm_([q.grad for q in self.weights.master], max_norm, groups=(group,),
+                               device=self.device)
 
     def _gather(self, tensors: list[torch.Tensor | None]) -> dict[str, torch.Tensor] | None:
         local = {n: t.detach().cpu() for n, t in zip(self.names, tensors, strict=True) if t is not None}
@@ -186,7 +180,7 @@ class PipelineStrategy(Strategy):
         clip = 2 * (p - 1) / p * max(b_master, 4) if self.clip_grad is not None and p > 1 else 0.0
         comm = steps * (sends * self.message_bytes() + clip)
         P = sum(q.numel() for q in self.model.parameters())
-        opt = 2 * P * b_master + 4 * len(self.weights.master) if self.optimizer_name == "adamw" else 0
+        opt = optimizer_state_bytes(self.optimizer_name, P, b_master, len(self.weights.master))
         opt += P * b_master if self.mixed else 0
         return comm, {"params": P * b, "grads": P * b_master, "optimizer": opt}
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from common.memory import optimizer_state_bytes
 from common.model import LlamaConfig
 from fsdp import FSDP, UnitShard
 from parallel3d.memory_model import head_activation_bytes, layer_activation_bytes
@@ -71,7 +72,7 @@ def state_bytes_formula(units: tuple[UnitShard, ...], optimizer: str) -> dict[st
     counter per unit."""
     shard = sum(u.shard_numel for u in units)
     b = units[0].flat_param.element_size()
-    opt = (2 * shard * b + 4 * len(units)) if optimizer == "adamw" else 0
+    opt = optimizer_state_bytes(optimizer, shard, b, len(units))
     return {"params": shard * b, "grads": shard * b, "optimizer": opt}
 
 

@@ -211,7 +211,7 @@ class Parallel3DStrategy(Strategy):
 
     def __init__(self, config: Train3DConfig, ctx: DistContext):
         dp, pp, cp, tp = config.mesh
-        self.config, self.device = config, ctx.device
+        self.config, self.device, self.clip_grad = config, ctx.device, config.clip_grad
         self.device_mesh = mesh = build_mesh(tp, pp, dp, cp)
         meta = build_model(config.model, dtype=config.master_dtype, device="meta")
         self.chunks, tp_specs = parallelize_3d(meta, mesh, config.parallel, ctx.device)
@@ -254,11 +254,14 @@ class Parallel3DStrategy(Strategy):
         self.busy_s += self.elapsed(start)
         return loss  # a 0-dim tensor on the last stage (the loop reads it once), else None
 
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The global norm over the whole mesh, each reference element counted once (clip.py)."""
+        return clip_grad_norm_3d(self.shards, max_norm)
+
     def step(self) -> None:
+        """The shared step (clip, optimizer), then the LR schedule; timed for the MFU."""
         start = time.perf_counter()
-        if self.config.clip_grad is not None:
-            clip_grad_norm_3d(self.shards, self.config.clip_grad)
-        self.optimizer.step()
+        super().step()
         if self.scheduler is not None:
             self.scheduler.step()
         self.busy_s += self.elapsed(start)

@@ -2,6 +2,7 @@
 
     forward/backward in bf16 (the model's parameters θ_bf16)      grads g (bf16, or fp32 main_grad)
     master.grad = float32(g)                                      grads_to_master()
+                 (or += per micro-batch, as backward produces g)  accumulate_in_backward()
     optimizer.step() on the masters θ_32                          (clip them first)
     θ_bf16 ← bf16(θ_32)                                           copy_to_model()
 
@@ -15,6 +16,7 @@ their own fp32 shard instead. Imports only torch.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from functools import partial
 
 import torch
 from torch import nn
@@ -30,11 +32,9 @@ class MasterWeights:
                        if enabled else self.params)
 
     @torch.no_grad()
-    def grads_to_master(self, grads: Sequence[torch.Tensor | None] | None = None,
-                        accumulate: bool = False) -> None:
+    def grads_to_master(self, grads: Sequence[torch.Tensor | None] | None = None) -> None:
         """master.grad = float32(g) for each model grad (default: `p.grad`, which is then freed;
-        pass `grads` for e.g. DDP's fp32 main_grad buckets, which are used in place, no copy).
-        `accumulate` adds to an existing master grad (micro-batches flushed one at a time)."""
+        pass `grads` for e.g. DDP's fp32 main_grad buckets, which are used in place, no copy)."""
         if not self.enabled:
             return
         own = grads is None
@@ -42,10 +42,18 @@ class MasterWeights:
         for m, p, g in zip(self.master, self.params, grads, strict=True):
             if g is None:
                 continue
-            g = g.to(m.dtype)
-            m.grad = m.grad.add_(g) if accumulate and m.grad is not None else g
+            m.grad = g.to(m.dtype)
             if own:
                 p.grad = None
+
+    def accumulate_in_backward(self) -> None:
+        """From now on, as soon as a backward has finished a parameter's bf16 gradient, add it
+        into its master's fp32 grad and free it (Megatron's main_grad): k micro-batches are summed
+        in fp32, the bf16 grads never outlive their backward. A hook per parameter."""
+        if not self.enabled:
+            return
+        for m, p in zip(self.master, self.params, strict=True):
+            p.register_post_accumulate_grad_hook(partial(_add_into, m))
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
@@ -60,3 +68,10 @@ class MasterWeights:
         if self.enabled:
             for m in self.master:
                 m.grad = None
+
+
+@torch.no_grad()
+def _add_into(master: torch.Tensor, p: torch.Tensor) -> None:
+    g = p.grad.to(master.dtype)
+    master.grad = g if master.grad is None else master.grad.add_(g)
+    p.grad = None

@@ -1,17 +1,27 @@
 """One training loop for every chapter, and the small interface a chapter implements.
 
-The loop owns everything around a strategy: data and micro-batching, timing, the comm meter, the
-memory ledger, per-step progress, `--check` against the single-device reference, the verdict
-broadcast and the run report. A chapter owns how its ranks compute one step, in the spirit of
-torchtitan's split between the model and its `parallelize_*` function:
+The loop owns the step (micro-batch loop, clipping, optimizer) and all around it: data, timing,
+comm meter, memory ledger, progress, `--check` against the single-device reference, the verdict
+broadcast, the run report. A chapter owns how its model is wrapped (torchtitan's split between a
+model and its `parallelize_*`): it fills `Strategy`'s hooks; a pipeline replaces `forward_backward`.
 
     step s:  tokens = data.global_batch(s)                       [global_batch, seq_len + 1]
-             micro  = rows [r·B/dp, (r+1)·B/dp) of tokens, cut into grad_accum micro-batches
-             loss   = strategy.forward_backward(micro)           timed window, comm meter
-             (check) strategy.full_gradients(), full_parameters() outside both, to rank 0
-             strategy.step(); strategy.zero_grad()               timed window, comm meter
+             micro  = rows [r·B/dp, (r+1)·B/dp) of tokens, cut into k = grad_accum micro-batches
+             forward_backward(micro):                             timed window, comm meter
+                 for i < k:  with no_sync() unless i = k-1:  (micro_batch_loss(micro[i]) / k).backward()
+                 after_backward()
+             (check) full_gradients(), full_parameters()          outside both, to rank 0
+             step(): clip_grad_norm_(max_norm) if clip_grad; optimizer.step(); masters → model;
+             zero_grad()                                          timed window, comm meter
 
-`--profile DIR` traces the timed windows of a few steps, one file per rank (common/profile.py).
+A chapter's train.py is `run_main(parse_args, validate, build, chapter=N)`. `parse_args(argv)`
+gives the flags as typed; nothing writes into them later. `validate(args, world_size)` runs on
+every rank before any collective (bad input: ConfigError naming flag, value and fix) and returns
+the run's frozen config, which has the batch layout's `micro_batch` and `grad_accum`: a
+`common.cli.BatchLayout`, or the chapter's own frozen dataclass of resolved values (03: flags
+over a DeepSpeed file); where it has a field named like a shared flag the loop reads
+(`global_batch`, `clip_grad`, `mixed_precision`), that value wins over the typed one (`setting`).
+`build(args, ctx, config)` then builds the strategy. `--profile DIR`: common/profile.py.
 
 TP and PP ranks of one data-parallel replica share `dp_rank`, so they take the same rows. The
 reported loss of a step is the mean over the ranks that have one (PP: the last stage; TP: every
@@ -36,17 +46,18 @@ import argparse
 import os
 import sys
 import time
-import zlib
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.cli import DTYPES, BatchLayout, ConfigError, exit_on_config_error, model_config
+from common.cli import DTYPES, ConfigError, exit_on_config_error, model_config
+from common.clip import clip_grad_norm_
 from common.comm import CommMeter
-from common.data import ByteCorpus, SyntheticTokens, local_micro_batches
+from common.data import local_micro_batches, make_data, split_inputs_targets
 from common.dist import (
     DistContext,
     LaunchError,
@@ -57,18 +68,35 @@ from common.dist import (
     synchronize,
 )
 from common.memory import ActivationMeter, CudaPeakMeter, model_state_bytes
+from common.mixed_precision import MasterWeights
+from common.model import loss_fn
 from common.profile import profiler_or_nothing
 from common.reference import LockstepReference
 from common.report import comm_convention, emit_report
 from common.wire import WireMeter
 
 
-class Strategy:
-    """What a chapter implements. Defaults fit a strategy that keeps `self.model` whole and an
-    ordinary `self.optimizer`; a sharded strategy overrides what it shards.
+class BatchConfig(Protocol):
+    """`validate`'s result as the loop reads it (a BatchLayout, or a chapter's frozen config)."""
 
-    Attributes: `name` (report's "strategy"), `mesh` (e.g. {"dp": 2, "pp": 2, "tp": 2}),
-    `dp_rank` / `dp_size` (which data shard this rank takes), `model`, `optimizer`."""
+    micro_batch: int
+    grad_accum: int
+
+
+def setting(args: argparse.Namespace, config: BatchConfig, flag: str, default=None):
+    """The value the run uses for a shared flag the loop reads (`global_batch`, `clip_grad`,
+    `mixed_precision`): the frozen config's where it has that field, else what the user typed."""
+    return getattr(config, flag) if hasattr(config, flag) else getattr(args, flag, default)
+
+
+class Strategy:
+    """What a chapter implements. The step is the loop's (`forward_backward`, `step`, `zero_grad`);
+    a chapter fills its hooks, whose defaults fit DDP: a whole model on every rank, wrapped so that
+    its backward averages the gradients, and an ordinary `self.optimizer`. Attributes: `name`
+    (report's "strategy"), `mesh` ({"dp": 2, "pp": 2, "tp": 2}), `dp_rank` / `dp_size` (the data
+    shard this rank takes), `model` (what a micro-batch runs through: the wrapper, e.g. DDP),
+    `optimizer`, `clip_grad` (max norm; None: no clipping), `weights` (fp32 masters of a bf16
+    model, copied into it after each step)."""
 
     name: str = "?"
     mesh: dict[str, int]
@@ -77,26 +105,62 @@ class Strategy:
     start_step: int = 0  # > 0 when the strategy resumed from a checkpoint
     model: nn.Module
     optimizer: torch.optim.Optimizer | None = None
+    clip_grad: float | None = None
+    weights: MasterWeights | None = None
 
+    # --- the step, the same for every strategy (a pipeline overrides forward_backward) ----------
     def forward_backward(self, micro_batches: list[torch.Tensor]) -> torch.Tensor | float | None:
-        """Forward and backward over this rank's micro-batches (token rows [mb, seq_len + 1], on
+        """Forward and backward over this rank's k micro-batches (token rows [mb, seq_len + 1], on
         the device), leaving the gradient of the mean loss over the *global* batch. Returns the
-        mean loss over these micro-batches as a detached 0-dim tensor on the device (do not read
-        it: `.item()` is a host sync, per micro-batch it stalls the GPU), or None on a rank that
-        computes no loss (PP). A float is accepted too."""
-        raise NotImplementedError
+        mean loss over these micro-batches as a detached 0-dim device tensor (`.item()` per
+        micro-batch would be a host sync), or None on a rank without a loss (a pipeline stage)."""
+        k, losses = len(micro_batches), []
+        for i, tokens in enumerate(micro_batches):
+            with self.no_sync() if i < k - 1 else nullcontext():
+                loss = self.micro_batch_loss(tokens) / k
+                loss.backward()
+            losses.append(loss.detach())
+        self.after_backward()
+        return torch.stack(losses).sum(dtype=torch.float64)
 
     def step(self) -> None:
-        """Clip (if asked) and apply the optimizer."""
+        """Clip (if asked) by the global norm, apply the optimizer; in mixed precision copy the
+        fp32 masters back into the bf16 model."""
+        if self.clip_grad is not None:
+            self.clip_grad_norm_(self.clip_grad)
         self.optimizer.step()
+        if self.weights is not None:
+            self.weights.copy_to_model()
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    # --- the hooks ------------------------------------------------------------------------------
+    def micro_batch_loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Forward of one micro-batch through `self.model`: its mean loss (autograd attached)."""
+        inputs, targets = split_inputs_targets(tokens)
+        return loss_fn(self.model(inputs), targets)
+
+    def no_sync(self) -> AbstractContextManager:
+        """Entered around every micro-batch but the last: accumulate the gradients locally, no
+        reduction. Default: the model's own `no_sync()` where it has one (DDP's), else nothing."""
+        return self.model.no_sync() if hasattr(self.model, "no_sync") else nullcontext()
+
+    def after_backward(self) -> None:
+        """After the last micro-batch's backward: the averaging the model's hooks did not do (a
+        naive DP, TP's data-parallel group), gradients into fp32 masters. Default: nothing."""
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale every gradient by min(1, max_norm / ‖g‖), ‖g‖ the norm of the *whole* model's
+        gradient (common/clip.py). Default: every rank holds the whole averaged gradient of what
+        the optimizer steps, so the local norm is the global one."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        return clip_grad_norm_([p.grad for p in params], max_norm)
+
+    # --- --check, accounting, the report ---------------------------------------------------------
     def full_gradients(self) -> dict[str, torch.Tensor] | None:
-        """For `--check`: the gradients this step will apply (before clipping), gathered to full
-        shape under the reference model's names. A collective: every rank calls it; rank 0 gets
-        the dict, the others may get None."""
+        """For `--check`: this step's gradients (before clipping), full shape, the reference's
+        names. A collective: every rank calls it; rank 0 gets the dict, the others may get None."""
         return {n: p.grad.detach() for n, p in self.model.named_parameters()}
 
     def full_parameters(self) -> dict[str, torch.Tensor] | None:
@@ -104,8 +168,7 @@ class Strategy:
         return {n: p.detach() for n, p in self.model.named_parameters()}
 
     def memory(self) -> dict[str, int]:
-        """Bytes of params, grads and optimizer state this rank holds now (measured after the
-        last optimizer step, before zero_grad)."""
+        """Bytes of params, grads and optimizer state this rank holds now (after the last step)."""
         return model_state_bytes(self.model.parameters(), self.optimizer)
 
     def activation_meter(self) -> ActivationMeter:
@@ -121,8 +184,7 @@ class Strategy:
         return {}
 
     def after_step(self, done: int) -> None:
-        """Called on every rank after `done` steps, outside the timing and the meter (e.g. to
-        save a checkpoint)."""
+        """After `done` steps, on every rank, outside timing and meter (e.g. save a checkpoint)."""
 
 
 def rank_micro_batches(strategy: Strategy, tokens: torch.Tensor, micro_batch: int,
@@ -130,25 +192,6 @@ def rank_micro_batches(strategy: Strategy, tokens: torch.Tensor, micro_batch: in
     """This rank's micro-batches of a global batch: its data-parallel shard, cut, on `device`."""
     return [m.to(device) for m in
             local_micro_batches(tokens, strategy.dp_rank, strategy.dp_size, micro_batch)]
-
-
-def make_data(args: argparse.Namespace, device: torch.device | None = None):
-    """The token source. A byte corpus is read by every rank on its own, so (with a process
-    group) the ranks compare a checksum of what they read: a file edited while the job started
-    would otherwise give the ranks different data, silently."""
-    vocab = model_config(args).vocab_size
-    if args.data == "synthetic":
-        return SyntheticTokens(vocab, args.seq_len, args.seed)
-    corpus = ByteCorpus(args.seq_len, args.seed, args.data)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        digest = zlib.crc32(corpus.data.to(torch.uint8).numpy().tobytes())
-        ends = torch.tensor([digest, -digest, len(corpus.data), -len(corpus.data)],
-                            dtype=torch.int64, device=device)
-        dist.all_reduce(ends, op=dist.ReduceOp.MAX)
-        if ends[0] != -ends[1] or ends[2] != -ends[3]:
-            raise RuntimeError(f"the ranks read different corpora from --data {args.data or '(repo)'}: "
-                               "a file changed while the job started; rerun, or pass a fixed --data FILE")
-    return corpus
 
 
 def measure_activations(args: argparse.Namespace, device: torch.device) -> bool:
@@ -234,19 +277,20 @@ class Instruments:
         self.wire.close()
 
 
-def train(args: argparse.Namespace, ctx: DistContext, strategy: Strategy, layout: BatchLayout,
+def train(args: argparse.Namespace, ctx: DistContext, strategy: Strategy, config: BatchConfig,
           chapter: int) -> dict:
     """Train `strategy` for args.steps steps; return the run report (with --check, the verdict
     too, the same on every rank)."""
     seed_everything(args.seed)
     data = make_data(args, ctx.device)
     measured = Instruments(args, ctx, strategy)
+    global_batch = setting(args, config, "global_batch")
     with measured.peak.exclude():  # the reference stays resident on rank 0 but is not the strategy's
         reference = (LockstepReference(model_config(args), args.seed, DTYPES[args.dtype], args.optimizer,
-                                       args.lr, ctx.device, clip_grad=getattr(args, "clip_grad", None),
-                                       mixed_precision=getattr(args, "mixed_precision", "none"))
+                                       args.lr, ctx.device, clip_grad=setting(args, config, "clip_grad"),
+                                       mixed_precision=setting(args, config, "mixed_precision", "none"))
                      if args.check and ctx.is_main else None)
-    log = ProgressLog(args.steps, args.global_batch * args.seq_len, getattr(args, "log_every", 0),
+    log = ProgressLog(args.steps, global_batch * args.seq_len, getattr(args, "log_every", 0),
                       ctx.device, strategy.start_step)
     ran = args.steps - strategy.start_step  # a resumed run reports the steps it ran
     local_losses = torch.zeros(ran, 2, dtype=torch.float64, device=ctx.device)  # [loss, has one]
@@ -254,8 +298,8 @@ def train(args: argparse.Namespace, ctx: DistContext, strategy: Strategy, layout
                                    strategy.start_step, args.steps)
     memory = {}
     for i, step in enumerate(range(strategy.start_step, args.steps)):
-        tokens = data.global_batch(step, args.global_batch)
-        micro = rank_micro_batches(strategy, tokens, layout.micro_batch, ctx.device)
+        tokens = data.global_batch(step, global_batch)
+        micro = rank_micro_batches(strategy, tokens, config.micro_batch, ctx.device)
         with measured.measure("forward_backward"), profiler.window(step, "forward_backward"):
             loss = strategy.forward_backward(micro)
         record_loss(local_losses[i], loss)
@@ -275,13 +319,13 @@ def train(args: argparse.Namespace, ctx: DistContext, strategy: Strategy, layout
         log(step, local_losses[i : i + 1])
         strategy.after_step(step + 1)
     profiler.finish()
-    report = run_report(args, ctx, strategy, layout, chapter, measured, global_loss(local_losses), memory)
+    report = run_report(args, ctx, strategy, config, chapter, measured, global_loss(local_losses), memory)
     if args.check:
         report.update(check_verdict(ctx, strategy, reference, report["losses"]))
     return report
 
 
-def run_report(args: argparse.Namespace, ctx: DistContext, strategy: Strategy, layout: BatchLayout,
+def run_report(args: argparse.Namespace, ctx: DistContext, strategy: Strategy, config: BatchConfig,
                chapter: int, measured: Instruments, losses: list[float], memory: dict) -> dict:
     """The run report's keys (outside the meter and the timing)."""
     ran = len(losses)
@@ -294,9 +338,9 @@ def run_report(args: argparse.Namespace, ctx: DistContext, strategy: Strategy, l
     return {
         "chapter": chapter, "strategy": strategy.name, "world_size": ctx.world_size,
         "mesh": strategy.mesh, "backend": ctx.backend, "device": str(ctx.device),
-        "dtype": args.dtype, "mixed_precision": getattr(args, "mixed_precision", "none"), "steps": ran,
-        "losses": losses, "micro_batch": layout.micro_batch, "grad_accum": layout.grad_accum,
-        "tokens_per_s": ran * args.global_batch * args.seq_len / measured.seconds,
+        "dtype": args.dtype, "mixed_precision": setting(args, config, "mixed_precision", "none"),
+        "steps": ran, "losses": losses, "micro_batch": config.micro_batch, "grad_accum": config.grad_accum,
+        "tokens_per_s": ran * setting(args, config, "global_batch") * args.seq_len / measured.seconds,
         "comm": comm.as_dict(), "comm_bytes_per_rank": comm.bytes_sent,
         "comm_bytes_formula": comm_formula, "comm_convention": comm_convention(comm.as_dict()),
         **measured.wire.report(comm.bytes_sent),
@@ -317,32 +361,33 @@ def check_verdict(ctx: DistContext, strategy: Strategy, reference: LockstepRefer
     return verdict | {"check_passed": bool(passed.item())}
 
 
-def run(args: argparse.Namespace, ctx: DistContext, layout: BatchLayout,
-        build: Callable[[argparse.Namespace, DistContext, BatchLayout], Strategy], chapter: int,
-        before_training: Callable[[argparse.Namespace, DistContext], dict] | None = None) -> dict:
+Build = Callable[[argparse.Namespace, DistContext, BatchConfig], Strategy]
+BeforeTraining = Callable[[argparse.Namespace, DistContext], dict]
+
+
+def run(args: argparse.Namespace, ctx: DistContext, config: BatchConfig, build: Build, chapter: int,
+        before_training: BeforeTraining | None = None) -> dict:
     """Run `before_training` (its dict joins the report), build the strategy, train; the report.
     The tests call this inside the rank pool; `launch` is the same with parsing and exit."""
     extras = before_training(args, ctx) if before_training else {}
-    report = train(args, ctx, build(args, ctx, layout), layout, chapter)
+    report = train(args, ctx, build(args, ctx, config), config, chapter)
     report.update(extras)
     return report
 
 
 def launch(parse_args: Callable[[list[str] | None], argparse.Namespace],
-           validate: Callable[[argparse.Namespace, int], BatchLayout],
-           build: Callable[[argparse.Namespace, DistContext, BatchLayout], Strategy],
-           chapter: int, argv: list[str] | None = None,
-           before_training: Callable[[argparse.Namespace, DistContext], dict] | None = None) -> int:
+           validate: Callable[[argparse.Namespace, int], BatchConfig], build: Build, chapter: int,
+           argv: list[str] | None = None, before_training: BeforeTraining | None = None) -> int:
     """A chapter's `main`: parse and validate on every rank before any collective (a bad flag
     exits 2 with one line), join the job, `run`, print the report on rank 0. Exit status 1 when
     `--check` failed or an entry of `before_training`'s dict says {"passed": False}."""
     args = parse_args(argv)
     try:
-        layout = validate(args, env_world_size())
+        config = validate(args, env_world_size())
     except (ConfigError, LaunchError) as error:
         exit_on_config_error(os.environ.get("RANK", "?"), error)
     ctx = init_distributed()
-    report = run(args, ctx, layout, build, chapter, before_training)
+    report = run(args, ctx, config, build, chapter, before_training)
     if ctx.is_main:
         emit_report(report, args.report)
     extra_ok = all(v.get("passed", True) for v in report.values() if isinstance(v, dict))

@@ -214,6 +214,19 @@ def test_relative_diff_still_sees_a_small_bug_in_any_tensor_above_the_floor():
     assert relative_diff({"a": big, "b": tiny * 2}, {"a": big, "b": tiny}) == pytest.approx(1e-2)
 
 
+def test_scale_floor_still_catches_a_small_gradient_off_by_3e_10_of_itself():
+    """The floor pinned by behaviour, in literal numbers (not derived from SCALE_FLOOR): a norm
+    weight whose gradient is 1.5e-4 of the model's largest (the tiny model's wq/wk gradients sit
+    at ~6e-4 of the head's at init) and is off by 3e-10 of itself must fail the float64 check.
+    At a floor 10× higher it would be measured against 1e-3 of the largest: 4.5e-11, a pass."""
+    head = torch.linspace(-1.0, 1.0, 50, dtype=torch.float64)
+    norm = torch.full((8,), 1.5e-4, dtype=torch.float64)
+    ref = {"output.weight": head, "norm.weight": norm}
+    ours = {"output.weight": head, "norm.weight": norm * (1 + 3e-10)}
+    assert relative_diff(ours, ref) == pytest.approx(3e-10, rel=1e-3)
+    assert relative_diff(ours, ref) > TOLERANCE[torch.float64]
+
+
 # --- the checker itself compares every step, not only the last ---------------------------------
 
 def recorded_reference_run(spec) -> RunRecord:

@@ -129,15 +129,15 @@ def zero3_peaks() -> dict[str, int]:
     ctx = init_distributed()
     args = zero_train.parse_args(["--dtype", "float32", "--stage", "3", "--global-batch", "2",
                                   "--param-persistence-threshold", "0"])  # every parameter sharded
-    args.cfg, args.grad_accum = CFG, 1
-    args.zero = zero_train.resolve_config(args)
+    args.cfg = CFG
+    run = zero_train.RunConfig(zero_train.resolve_config(args), global_batch=2, micro_batch=1, grad_accum=1)
 
     def old() -> None:
         model = build_model(CFG, 0, torch.float32)
-        ZeroEngine(model, torch.optim.SGD, args.zero,
+        ZeroEngine(model, torch.optim.SGD, run.zero,
                               unit_policy=zero_train.ZeroStrategy.unit_policy)
 
-    return measure(lambda: zero_train.ZeroStrategy(args, ctx), old, 2 * UNIT + 8 * LARGEST)
+    return measure(lambda: zero_train.ZeroStrategy(args, ctx, run), old, 2 * UNIT + 8 * LARGEST)
 
 
 def check(results: list[dict[str, int]], parts: int = 1) -> None:

@@ -194,9 +194,8 @@ def _finish_grad_without_divide(self) -> None:
 class LocalNormClipping(FSDPStrategy):
     """Clips each rank by the norm of its own shard only (the all-reduce of the norm is missing)."""
 
-    def step(self) -> None:
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.clip_grad, foreach=False)
-        self.optimizer.step()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=False)
 
 
 def broken_strategy(spec: TrainSpec, broken: str) -> FSDPStrategy:
