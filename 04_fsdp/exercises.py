@@ -26,9 +26,25 @@ def handle_pieces(numels: list[int], n: int, r: int) -> list[tuple[int, int, int
             if numel]
 
 
+def _what_differs(got: list[tuple], want: list[tuple], numels: list[int], n: int, r: int) -> str:
+    """Where your pieces go wrong, without the answer: which parameter, which field."""
+    s = -(-sum(numels) // n)
+    place = f"sizes {numels}, N={n}, rank {r} (it holds flat[{r * s}:{(r + 1) * s}])"
+    mine, theirs = {p[0]: p for p in got}, {p[0]: p for p in want}
+    if missing := sorted(theirs.keys() - mine.keys()):
+        return f"{place}: parameter(s) {missing} overlap this rank's shard, and you give no piece of them"
+    if extra := sorted(mine.keys() - theirs.keys()):
+        return f"{place}: parameter(s) {extra} do not overlap this rank's shard, and you give a piece of them"
+    if [p[0] for p in got] != [p[0] for p in want]:
+        return f"{place}: give the pieces in flat order (by parameter index)"
+    fields = ("offset in the parameter", "numel", "offset in the shard")
+    i, field = next((i, f) for i in theirs for f in range(3) if mine[i][1 + f] != theirs[i][1 + f])
+    return f"{place}: parameter {i}: your {fields[field]} ({mine[i][1 + field]}) is not what the rank holds"
+
+
 def check_shard_pieces(shard_pieces: Callable) -> bool:
     """Every rank of five units (a LLaMA block of `tiny` among them; N = 1…4, 7) against
-    FlatParamHandle.pieces."""
+    FlatParamHandle.pieces; a wrong answer is told where it differs, not the right pieces."""
     def body() -> tuple[bool, str]:
         tiny_block = [32, 1024, 1024, 1024, 1024, 32, 3072, 3072, 3072]  # `tiny`'s block, registration order
         units = [tiny_block, [10, 3, 1], [5], [1, 1, 1, 1, 1], [7, 9]]
@@ -38,7 +54,7 @@ def check_shard_pieces(shard_pieces: Callable) -> bool:
                     want = handle_pieces(numels, n, r)
                     got = [tuple(piece) for piece in shard_pieces(numels, n, r)]
                     if got != want:
-                        return False, (f"sizes {numels}, N={n}, rank {r}:\n  yours  {got}\n  FSDP's {want}")
+                        return False, _what_differs(got, want, numels, n, r)
         return True, "5 units × N = 1, 2, 3, 4, 7, every rank: your pieces are FlatParamHandle's"
     return attempt(body)
 
