@@ -270,6 +270,7 @@ def grade(chapter: int, path: str | Path | None = None, solution: bool = False,
           only: str | None = None, out: Callable[[str], None] = print) -> list[Verdict]:
     """Grade chapter `chapter`'s lab: `path` (default: the chapter's lab.py, or with
     `solution=True` its lab_solution.py). Prints a verdict per property; returns them."""
+    torch.set_num_threads(1)  # the reference runs here, beside the ranks: one core's worth each
     package = PACKAGES[chapter]
     lab_check = importlib.import_module(f"{package}.lab_check")
     folder = Path(lab_check.__file__).parent
