@@ -1,12 +1,10 @@
 """Chapter 06's exercises: the checks that lesson.ipynb calls on the student's functions.
 
 Each check prints ✓ or ✗ with the figure that decided and returns a bool; it never raises (a
-stub's NotImplementedError prints "✗ not solved yet"). Both run in one process, against the
-schedules as data and the unit-cost simulator.
+stub's NotImplementedError prints "✗ not solved yet"). It runs in one process, against the
+unit-cost simulator. (Writing 1F1B itself is the chapter's lab: lab.py, `make lab-check N=6`.)
 
-    one_f_one_b_order(p, m, rank)   rank's 1F1B action list, e.g. ["F0", "F1", "B0", "F2", …]:
-                                    min(p−rank−1, m) warm-up forwards, then one F one B, then the rest
-    min_microbatches(p, target, v)  the smallest m with bubble (p−1)/(v·m+p−1) ≤ target
+    min_microbatches(p, target, v)  the smallest m whose 1F1B / interleaved bubble is ≤ target
 """
 
 from __future__ import annotations
@@ -15,29 +13,8 @@ import math
 from collections.abc import Callable
 
 from common.exercise import attempt
-from pipeline.schedules import make_schedule, one_f_one_b
+from pipeline.schedules import make_schedule
 from pipeline.simulator import bubble_fraction, closed_form_bubble, simulate
-
-
-def check_one_f_one_b_order(order: Callable) -> bool:
-    """Every rank of every (p ≤ 6, m ≤ 10) against pipeline.schedules.one_f_one_b."""
-    def body() -> tuple[bool, str]:
-        cases = 0
-        for p in range(1, 7):
-            for m in range(1, 11):
-                want = one_f_one_b(p, m).actions
-                for rank in range(p):
-                    expected = [f"{a.kind}{a.microbatch}" for a in want[rank]]
-                    got = [str(a) for a in order(p, m, rank)]
-                    if got != expected:
-                        at = next((i for i, (x, y) in enumerate(zip(got, expected, strict=False)) if x != y),
-                                  min(len(got), len(expected)))
-                        return False, (f"p={p} m={m} rank {rank}: yours {' '.join(got)}\n"
-                                       f"{' ' * 20}1F1B  {' '.join(expected)}  (first difference at "
-                                       f"position {at})")
-                    cases += 1
-        return True, f"{cases} (p, m, rank) cases, p ≤ 6, m ≤ 10: every order equals pipeline.schedules"
-    return attempt(body)
 
 
 def check_min_microbatches(min_microbatches: Callable) -> bool:
@@ -62,17 +39,7 @@ def check_min_microbatches(min_microbatches: Callable) -> bool:
     return attempt(body)
 
 
-EXERCISES: dict[str, Callable[[Callable], bool]] = {"one_f_one_b_order": check_one_f_one_b_order,
-                                                     "min_microbatches": check_min_microbatches}
-
-
-def _warmup_p_minus_rank(p: int, m: int, rank: int) -> list[str]:
-    """Warms up with p − rank forwards (one too many: the last rank then runs F1 before B0)."""
-    warmup = min(p - rank, m)
-    order = [f"F{i}" for i in range(warmup)]
-    for i in range(m - warmup):
-        order += [f"F{warmup + i}", f"B{i}"]
-    return order + [f"B{i}" for i in range(m - warmup, m)]
+EXERCISES: dict[str, Callable[[Callable], bool]] = {"min_microbatches": check_min_microbatches}
 
 
 def _article_rule(p: int, target: float, v: int = 1) -> int:
@@ -80,4 +47,4 @@ def _article_rule(p: int, target: float, v: int = 1) -> int:
     return math.ceil((p - 1) / (v * target) - 1e-9)
 
 
-WRONG: dict[str, Callable] = {"one_f_one_b_order": _warmup_p_minus_rank, "min_microbatches": _article_rule}
+WRONG: dict[str, Callable] = {"min_microbatches": _article_rule}

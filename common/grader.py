@@ -33,7 +33,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -65,7 +65,9 @@ class Property:
     """`run(lab, **config)` runs on every rank of a job of `config["world"]` ranks; `check(runs)`
     gets [(config, rank 0's result)] and returns (passed, detail, hint). A `plan` property runs
     `run` under `record_p2p_plan` instead (no data moves) and passes when the sends and receives
-    every rank posted replay to the end under NCCL's rules; list it before the real runs."""
+    every rank posted replay to the end under NCCL's rules; list it before the real runs. There
+    `run` may return what it posted, [[(kind, global peer, label), ...] per group], to name each
+    op in a deadlock report."""
 
     name: str
     configs: Sequence[dict[str, Any]]
@@ -163,8 +165,13 @@ def record_p2p_plan():
     """Run point-to-point code without moving data: sends and receives are recorded (per
     communicator, in issue order, as P2PRecorder does) and return finished works. Yields the
     recorder; its `groups` are this rank's part of the plan."""
-    stubs = {"batch_isend_irecv": lambda ops: [_Done() for _ in ops],
-             "isend": lambda *a, **k: _Done(), "irecv": lambda *a, **k: _Done()}
+    def isend(*args, **kwargs) -> _Done:  # named: the recorder tells a P2POp's kind by __name__
+        return _Done()
+
+    def irecv(*args, **kwargs) -> _Done:
+        return _Done()
+
+    stubs = {"batch_isend_irecv": lambda ops: [_Done() for _ in ops], "isend": isend, "irecv": irecv}
     saved = [(m, n, getattr(m, n)) for n in stubs for m in (dist, c10d)]
     for module, name, _ in saved:
         setattr(module, name, stubs[name])
@@ -184,8 +191,23 @@ def _on_rank(package: str, prop_name: str, lab_path: str, config: dict, trace_di
         if not prop.plan:
             return prop.run(lab, **config)
         with record_p2p_plan() as recorder:
-            prop.run(lab, **config)
-        return dict(recorder.groups)
+            described = prop.run(lab, **config)
+        return _labelled(dict(recorder.groups), described)
+
+
+def _labelled(groups: dict, described: Any) -> dict:
+    """The recorded groups with each op's label taken from the run's own description of what it
+    posted ([[(kind, global peer, label), ...] per group, in order], or None), on the
+    communicator where the two agree op for op: a deadlock report then says what each op carries."""
+    if not described:
+        return groups
+    for ranks, posted in groups.items():
+        if len(posted) == len(described) and all(
+                [(op.kind, op.peer) for op in group] == [(kind, peer) for kind, peer, _ in ops]
+                for group, ops in zip(posted, described, strict=True)):
+            groups[ranks] = [tuple(replace(op, label=name) for op, (*_, name) in zip(group, ops, strict=True))
+                             for group, ops in zip(posted, described, strict=True)]
+    return groups
 
 
 def property_named(package: str, name: str) -> Property:
