@@ -94,7 +94,7 @@ class DataParallelStrategy(Strategy):
 
     def zero_grad(self) -> None:
         if isinstance(self.dp, DistributedDataParallel):
-            self.dp.zero_grad()  # in place: the gradients stay views of the buckets
+            self.dp.zero_grad(set_to_none=False)  # in place: the gradients stay bucket views
             self.weights.zero_grad()
         else:
             self.optimizer.zero_grad(set_to_none=True)
