@@ -517,15 +517,16 @@ def ddp_plain_loop(zero_grad: str, accumulate: str) -> dict:
             for m in (ddp, replica)]
     scheds = [LambdaLR(opt, lambda step: min(1.0, (step + 1) / 3)) for opt in opts]
     rows = slice(rank * PLAIN_ROWS // world, (rank + 1) * PLAIN_ROWS // world)
-    grads, norms = [], []
+    grads, norms, calls = [], [], []
     for step in range(3):
         for micro in range(2):
             x, y = plain_batch(step, micro)
             last = micro == 1
             if accumulate == "toggle":
                 ddp.require_backward_grad_sync = last
-            with nullcontext() if last or accumulate == "toggle" else ddp.no_sync():
+            with CommMeter() as meter, nullcontext() if last or accumulate == "toggle" else ddp.no_sync():
                 (F.mse_loss(ddp(x[rows]), y[rows]) / 2).backward()
+            calls.append(meter.calls("all_reduce"))
             (F.mse_loss(replica(x), y) / 2).backward()
         grads.append(max_relative_diff({n: p.grad for n, p in model.named_parameters()},
                                        {n: p.grad for n, p in replica.named_parameters()}))
@@ -538,7 +539,8 @@ def ddp_plain_loop(zero_grad: str, accumulate: str) -> dict:
          "model-in-place": lambda: ddp.zero_grad(set_to_none=False),
          "optimizer": lambda: opts[0].zero_grad(set_to_none=True)}[zero_grad]()
         opts[1].zero_grad(set_to_none=True)
-    return {"grads": max(grads), "norms": norms, "keys": list(ddp.state_dict()),
+    return {"grads": max(grads), "norms": norms, "keys": list(ddp.state_dict()), "calls": calls,
+            "buckets": len(ddp.buckets),
             "module_keys": list(model.state_dict()),
             "params": max_relative_diff(dict(model.named_parameters()), dict(replica.named_parameters()))}
 
@@ -548,10 +550,12 @@ def ddp_plain_loop(zero_grad: str, accumulate: str) -> dict:
                                                           (3, "optimizer", "no_sync")])
 def test_ddp_in_a_plain_torch_loop_equals_a_single_process_replica(pools, world, zero_grad, accumulate):
     """torch's contract, name by name: model.zero_grad(set_to_none=...), no_sync() and the
-    require_backward_grad_sync toggle, clip_grad_norm_ on model.parameters() (which really clips:
-    every norm is above 1), an LR scheduler, and state_dict keys prefixed "module."."""
+    require_backward_grad_sync toggle (the first micro-batch of a step communicates nothing),
+    clip_grad_norm_ on model.parameters() (which really clips: every norm is above 1), an LR
+    scheduler, and state_dict keys prefixed "module."."""
     for r in pools.run(world, ddp_plain_loop, zero_grad, accumulate):
         assert r["grads"] <= 1e-10 and r["params"] <= 1e-10, r
+        assert r["calls"] == [0, r["buckets"]] * 3, r
         assert all(ref > PLAIN_CLIP and ours == pytest.approx(ref, rel=1e-10) for ours, ref in r["norms"]), r
         assert r["keys"] == ["module." + k for k in r["module_keys"]]
 

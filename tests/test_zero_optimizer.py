@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR
 
+from common.comm import CommMeter
 from tests.harness import RankError
 from zero import ZeroOptimizer, assign_owners
 
@@ -165,12 +166,14 @@ def plain_loop(stage: int, clip: str, zero_grad: str, accumulate: str, broken: b
     ref_opt = torch.optim.AdamW(replica.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
     scheds = [SCHEDULERS["lambda"](o) for o in (opt, ref_opt)]
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-    grads, norms = [], []
+    grads, norms, calls = [], [], []
     for step in range(3):
         for micro in range(2):
             x, y = batch(10 * step + micro)
-            with nullcontext() if micro == 1 or accumulate == "plain" else opt.no_sync():
+            sync = micro == 1 or accumulate == "plain"
+            with CommMeter() as meter, nullcontext() if sync else opt.no_sync():
                 (F.mse_loss(model(x[rows]), 3 * y[rows]) / 2).backward()
+            calls.append(sum(int(s["calls"]) for s in meter.as_dict().values()))
             (F.mse_loss(replica(x), 3 * y) / 2).backward()
         ref_grads = {f"param_groups[0][{i}]": p.grad for i, p in enumerate(replica.parameters())}
         grads.append(max_relative_diff(opt.full_gradients(), ref_grads))  # before clipping, gathered
@@ -187,7 +190,8 @@ def plain_loop(stage: int, clip: str, zero_grad: str, accumulate: str, broken: b
          "model": lambda: model.zero_grad(set_to_none=True),
          "model-in-place": lambda: model.zero_grad(set_to_none=False)}[zero_grad]()
         ref_opt.zero_grad(set_to_none=True)
-    return {"grads": max(grads), "norms": norms,
+    silent = [0, len(opt.flat_groups)] if accumulate == "no_sync" else [len(opt.flat_groups)] * 2
+    return {"grads": max(grads), "norms": norms, "calls": calls, "expected_calls": silent * 3,
             "params": max_relative_diff(dict(model.named_parameters()), dict(replica.named_parameters()))}
 
 
@@ -198,6 +202,7 @@ def check_plain_loop(result: dict) -> None:
         assert "opt.clip_grad_norm_(max_norm)" in result["error"], result
         return
     assert result["grads"] <= 1e-10 and result["params"] <= 1e-10, result
+    assert result["calls"] == result["expected_calls"], result  # under no_sync(): no reduction
     assert all(ref > PLAIN_CLIP and ours == pytest.approx(ref, rel=1e-10)
                for ours, ref in result["norms"]), result
 
