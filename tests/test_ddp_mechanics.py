@@ -180,17 +180,18 @@ def test_bucket_cap_inf_is_one_bucket_and_zero_a_bucket_per_parameter(pools):
     assert pools.run(1, bucket_count, TINY, 0)[0] == numels[::-1]
 
 
-def mib_layers_bucket_numels(bucket_cap_mb: float | None) -> list[int]:
-    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])  # 1 MiB + 2 KiB per layer
-    return [b.buffer.numel() for b in DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb).buckets]
+def bucket_mib(bucket_cap_mb: float | None) -> list[float]:
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])  # 4 MiB + 4 KiB per layer
+    dp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    return [b.buffer.numel() * b.buffer.element_size() / 2**20 for b in dp.buckets]
 
 
 def test_bucket_cap_none_is_torchs_default_25_mib_with_a_1_mib_first_bucket(pools):
     """torch reads None as 25 MiB and caps the first bucket (the last layers' gradients, ready
-    first) at 1 MiB; an explicit 25 does not."""
-    layer = 512 * 512 + 512
-    assert pools.run(1, mib_layers_bucket_numels, None)[0] == [512, 4 * layer - 512]
-    assert pools.run(1, mib_layers_bucket_numels, 25.0)[0] == [4 * layer]
+    first) at 1 MiB; an explicit 25 does not. 32 MiB of gradients: the 25 MiB cap shows."""
+    default, explicit = pools.run(1, bucket_mib, None)[0], pools.run(1, bucket_mib, 25.0)[0]
+    assert len(default) == 3 and default[0] <= 1 < default[1] and max(default) <= 25, default
+    assert len(explicit) == 2 and explicit[0] > 1 and max(explicit) <= 25, explicit
 
 
 class Branchy(nn.Module):
@@ -219,9 +220,10 @@ def branchy_batches(step: int, rank: int) -> list[tuple[torch.Tensor, bool]]:
             for m in range(micro)]
 
 
-def branchy_run(distributed: bool) -> dict:
+def branchy_run(distributed: bool, set_to_none: bool) -> dict:
     """Three AdamW steps of Branchy: on every rank through DDP(find_unused_parameters=True), or on
-    one device over every rank's micro-batches (the reference). Gradients as applied (None kept)."""
+    one device over every rank's micro-batches (the reference). Gradients as applied (None kept),
+    zeroed by `optimizer.zero_grad(set_to_none)`."""
     world, steps, micro = UNUSED_SPEC
     torch.manual_seed(0)
     model = Branchy().double()
@@ -239,17 +241,19 @@ def branchy_run(distributed: bool) -> dict:
                     loss.backward()
         grads.append({n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()})
         optimizer.step()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=set_to_none)
     return {"grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def test_find_unused_parameters_trains_as_one_device_does(pools):
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_find_unused_parameters_trains_as_one_device_does(pools, set_to_none):
     """A parameter used on some ranks only gets the average with zeros from the others (a stale
-    slot is zeroed, an accumulated no_sync gradient kept); one that no rank used keeps grad None,
-    so AdamW skips it (no weight decay, no momentum) exactly as on one device."""
+    slot is zeroed, an accumulated no_sync gradient kept); one that no rank used keeps its .grad
+    as it was, as torch's DDP does: None (AdamW skips it: no weight decay, no momentum) or, after
+    zero_grad(set_to_none=False), zeros (AdamW decays it), exactly as on one device."""
     world, steps, _ = UNUSED_SPEC
-    expected = branchy_run(distributed=False)
-    for ranked in pools.run(world, branchy_run, True):
+    expected = branchy_run(False, set_to_none)
+    for ranked in pools.run(world, branchy_run, True, set_to_none):
         for step in range(steps):
             for name, want in expected["grads"][step].items():
                 got = ranked["grads"][step][name]
@@ -258,7 +262,8 @@ def test_find_unused_parameters_trains_as_one_device_does(pools):
                     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15, msg=f"{step} {name}")
         for name, want in expected["params"].items():
             torch.testing.assert_close(ranked["params"][name], want, rtol=1e-12, atol=1e-15, msg=name)
-    assert expected["grads"][2]["branch.weight"] is None and expected["grads"][1]["branch.weight"] is not None
+    assert (expected["grads"][2]["branch.weight"] is None) == set_to_none, expected["grads"][2]
+    assert expected["grads"][1]["branch.weight"] is not None and expected["grads"][2]["never.weight"] is None
 
 
 # ---------------------------------------------------------------- fp32 main_grad for bf16 parameters
