@@ -241,10 +241,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         to p.grad since the last one (None or `zero_()`: a zero gradient, as in torch)."""
         if self._pending:
             return
-        self._pending = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         for g in self.flat_groups:
             g.read_user_grads()
+        self._pending = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _before_accumulation(self, p: nn.Parameter) -> None:
         """A tensor hook on the leaf runs before autograd accumulates into p.grad: empty it, so
