@@ -78,7 +78,7 @@ class DataParallelStrategy(Strategy):
 
     def zero_grad(self) -> None:
         if isinstance(self.model, DistributedDataParallel):
-            self.model.zero_grad()  # in place: the gradients stay views of the buckets
+            self.model.zero_grad(set_to_none=False)  # in place: the gradients stay bucket views
             self.weights.zero_grad()
         else:
             self.optimizer.zero_grad(set_to_none=True)

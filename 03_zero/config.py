@@ -1,4 +1,5 @@
-"""The DeepSpeed-style JSON config: the keys this engine understands, their defaults, validation.
+"""The DeepSpeed-style JSON config: the keys this engine understands, their defaults, validation,
+and how they map onto ZeroOptimizer's keyword arguments (`optimizer_arguments`).
 
     {"bf16": {"enabled": true},
      "zero_optimization": {"stage": 2, "overlap_comm": true, "contiguous_gradients": true,
@@ -182,6 +183,17 @@ def load_config(path: str | Path) -> ZeroConfig:
     except json.JSONDecodeError as error:
         raise ZeroConfigError(f"--config {path}: not valid JSON ({error})") from None
     return parse_config(raw)
+
+
+def optimizer_arguments(config: ZeroConfig) -> dict[str, Any]:
+    """The ZeroOptimizer keyword arguments of `config` (the rest, accumulation, clipping, the
+    batch and stage 3's persistence threshold, are the engine's and train.py's)."""
+    return {"stage": config.stage, "bf16": config.bf16, "overlap_comm": config.overlap_comm,
+            "contiguous_gradients": config.contiguous_gradients,
+            "reduce_bucket_size": config.reduce_bucket_size,
+            "allgather_bucket_size": config.allgather_bucket_size,
+            "offload_optimizer": config.offload_optimizer == "cpu",
+            "offload_param": config.offload_param == "cpu", "pin_memory": config.pin_memory}
 
 
 def to_dict(config: ZeroConfig) -> dict:

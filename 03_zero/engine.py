@@ -6,14 +6,18 @@
     engine.step(); engine.zero_grad()               # clip (gradient_clipping), step, all-gather
 
 The engine is a thin layer: stages 0-2 are the optimizer's ([`optimizer.py`](optimizer.py), where
-the memory and wire formulas of every stage are); the engine adds what needs the module. Stage 3
+the memory and wire formulas of every stage are), built from the config's keys
+(`config.optimizer_arguments`); the engine adds what needs the module or the batch layout. It
+counts the `gradient_accumulation_steps` backward passes of a step: at stages 0-1, which keep
+full gradients, all but the last run without reducing (the optimizer's `no_sync`), so a step
+reduces once; stages 2-3 reduce every micro-batch into the shard. Stage 3
 partitions the parameters themselves, so it needs the module's units, each gathered whole (a
 transformer block, or a module the blocks leave out: `flat.module_units`), and hooks on them that
 gather a unit before it runs and free it after ([`stage3.py`](stage3.py)). A module built on the
 meta device takes `param_init_fn(name)` (the full initial values of each parameter) and `device`:
 the flat buffers are filled one group at a time, so at stage 3 a rank never holds more than its
 shards and one unit (twice: the values and their cast copy). Depends only on torch (and
-common/clip.py through the optimizer).
+common/clip.py and common/collectives.py through the optimizer).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from .config import ZeroConfig
+from .config import ZeroConfig, optimizer_arguments
 from .flat import FlatGroup, UnitPolicy, module_units
 from .optimizer import ZeroOptimizer
 from .stage3 import ParameterPartitioner
@@ -53,10 +57,12 @@ class ZeroEngine:
         units = (module_units(module, config.param_persistence_threshold, unit_policy)
                  if config.stage == 3 else None)
         self.optimizer = ZeroOptimizer(
-            [p for _, p in named], optimizer_class, process_group=process_group, stage=config.stage,
-            ownership=ownership, config=self.config, param_names={p: n for n, p in named},
-            units=units, param_init_fn=param_init_fn, device=device, **defaults)
-        self.stage, self.gas = config.stage, gas
+            [p for _, p in named], optimizer_class, process_group=process_group, ownership=ownership,
+            param_names={p: n for n, p in named}, units=units, param_init_fn=param_init_fn, device=device,
+            **optimizer_arguments(config), **defaults)
+        self.stage, self.gas, self.micro_step = config.stage, gas, 0
+        self.optimizer.end_of_backward_hooks.append(self._count_micro_step)
+        self._set_sync()
         self.rank, self.world, self.device = self.optimizer.rank, self.optimizer.world, self.optimizer.device
         self.units = self.optimizer.unit_groups
         self.partitioner = (ParameterPartitioner(module, self.units, self.optimizer)
@@ -70,17 +76,32 @@ class ZeroEngine:
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    def _set_sync(self) -> None:
+        """Reduce in this backward? Stages 2-3 always; stages 0-1 in a step's last micro-batch."""
+        self.optimizer.require_backward_grad_sync = self.stage >= 2 or self.micro_step + 1 >= self.gas
+
+    def _count_micro_step(self) -> None:
+        self.micro_step += 1
+        self._set_sync()
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         return self.optimizer.clip_grad_norm_(max_norm)
 
     def step(self) -> None:
         """Clip by the config's `gradient_clipping`, step, bring the parameters up to date."""
+        if self.micro_step != self.gas:
+            raise RuntimeError(f"step() after {self.micro_step} backward passes; this engine accumulates "
+                               f"{self.gas} micro-batches per step (gradient_accumulation_steps)")
         if self.config.clip is not None:
             self.last_grad_norm = self.clip_grad_norm_(self.config.clip).item()
         self.optimizer.step()
+        self.micro_step = 0
+        self._set_sync()
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
+        self.micro_step = 0
+        self._set_sync()
 
     # --- inspection (collectives: every rank of the group calls them) ---------------------------
     def full_gradients(self) -> dict[str, torch.Tensor]:

@@ -16,7 +16,11 @@ never written (it stays 0), so it adds nothing to a norm and the optimizer leave
 Stages 0-2 group the parameters in reduce buckets (`reduce_bucket_size` elements, reverse
 registration order: the order backward produces gradients); stage 3 groups them per unit (a
 transformer block, or a module the blocks leave out), gathered before its forward and freed
-after. Depends only on torch.
+after.
+
+While a gradient lives only in the shards, `p.grad` holds a `ShardedGrad`: the parameter's shape,
+dtype and device, no storage, and an error naming the fix for any read. Depends only on torch and
+common/collectives.py.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from common.collectives import all_gather_single, reduce_scatter_single
 
 
 def padded_size(numel: int, world: int) -> int:
@@ -90,6 +97,14 @@ def module_units(module: nn.Module, threshold: int, policy: UnitPolicy | None = 
     return units
 
 
+def restrict_units(units: list[Unit], params: list[nn.Parameter]) -> list[Unit]:
+    """The units with only the members in `params` (one param group), empty ones dropped."""
+    ids = {id(p) for p in params}
+    kept = [(mod, [(n, p) for n, p in members if id(p) in ids], persistent)
+            for mod, members, persistent in units]
+    return [unit for unit in kept if unit[1]]
+
+
 @dataclass
 class FlatGroup:
     """One flat buffer of parameters, its gradient buffer, and this rank's shard of both.
@@ -119,6 +134,14 @@ class FlatGroup:
     gather_work: object | None = None
     gather_input: torch.Tensor | None = None
     gathered: bool = True
+    # gradients: `grad_flat` holds local ones not reduced yet (`window`), `shard_grad` reduced
+    # ones (`reduced`); stages 0-1 keep `grad_flat` (`keep_grads`: the shard is a slice of it) and
+    # move the shard to `saved` while a window accumulates; `grads`: what each p.grad shows
+    keep_grads: bool = True
+    window: bool = False
+    reduced: bool = False
+    saved: torch.Tensor | None = None
+    grads: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def padded(self) -> int:
@@ -153,6 +176,81 @@ class FlatGroup:
             # counter, so stage 3's gather into `flat` does not invalidate what autograd saved
             p.data = view
 
+    # --- gradients: local bucket → reduced shard ------------------------------------------------
+    def open_window(self, dtype: torch.dtype, device: torch.device) -> None:
+        """The first gradient since the last reduction: a zeroed local bucket. Where the shard
+        is a slice of the bucket (stages 0-1), what it holds moves aside until `complete`."""
+        if self.keep_grads:
+            self.saved = self.shard_grad.clone() if self.reduced else None
+            self.grad_flat.zero_()
+        else:
+            self.grad_flat = torch.zeros(self.padded, dtype=dtype, device=device)
+        self.window = True
+
+    def reduce(self, group, all_reduce: bool) -> None:
+        """Launch the bucket's SUM over `group`, asynchronously: all-reduced in place where every
+        rank owns everything (stage 0), else this rank's slice reduce-scattered into `recv`."""
+        if all_reduce:
+            self.work = dist.all_reduce(self.grad_flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        else:
+            self.recv = torch.empty(self.shard_size, dtype=self.grad_flat.dtype, device=self.grad_flat.device)
+            self.work = reduce_scatter_single(self.recv, self.grad_flat, group, async_op=True)
+
+    def complete(self, n: int) -> None:
+        """After the reduction landed: shard += sum / n (never ReduceOp.AVG), plus what was moved
+        aside; a bucket that is not kept is dropped."""
+        self.work.wait()
+        if self.recv is None:
+            self.grad_flat.div_(n)
+        elif self.keep_grads:
+            self.shard_grad.copy_(self.recv.div_(n))
+        else:
+            self.shard_grad.add_(self.recv.div_(n))
+            self.grad_flat = None
+        if self.saved is not None:
+            self.shard_grad.add_(self.saved)
+        self.work, self.recv, self.saved, self.window, self.reduced = None, None, None, False, True
+
+    def zero_grad(self) -> None:
+        """Zero every gradient this rank keeps (reduced, local, moved aside)."""
+        (self.grad_flat if self.keep_grads else self.shard_grad).zero_()
+        if not self.keep_grads:
+            self.grad_flat = None
+        self.saved, self.window, self.reduced = None, False, False
+
+    def make_grads(self, where: str | None) -> None:
+        """What each p.grad shows after a backward: a view of the full reduced gradient (`where`
+        None: stage 0 in the parameter's dtype), or a `ShardedGrad` saying `where` it lives."""
+        self.grads = [self.split(self.grad_flat)[name] if where is None else ShardedGrad(
+            p, f"{name}.grad lives in ZeroOptimizer's flat buffers ({where}), so it cannot be read or "
+            "changed through p.grad: clip with opt.clip_grad_norm_(max_norm) instead of "
+            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm), and read gradients with "
+            "opt.full_gradients()", lambda i=i: self.forget_grad(i))
+            for i, (name, p) in enumerate(zip(self.names, self.params, strict=True))]
+
+    def show_grads(self) -> None:
+        for p, grad in zip(self.params, self.grads, strict=True):
+            p.grad = grad
+
+    def read_user_grads(self) -> None:
+        """Before a backward adds to the gradients: a p.grad set to None since is a zero gradient
+        (torch's meaning); one replaced by another tensor cannot be honoured."""
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                self.forget_grad(i)
+            elif p.grad is not self.grads[i]:
+                raise RuntimeError(f"{self.names[i]}.grad was replaced by another tensor; ZeroOptimizer "
+                                   "keeps gradients in its own buffers: change p.grad in place, set it "
+                                   "to None, or call model.zero_grad()")
+
+    def forget_grad(self, i: int) -> None:
+        """Parameter i's gradient is 0 from now on (torch: `.grad = None` or `.grad.zero_()`):
+        zero its span wherever this rank keeps part of it (local, reduced or saved)."""
+        lo, hi = self.offsets[i], self.offsets[i] + self.params[i].numel()
+        for t, start in ((self.grad_flat, 0), (self.shard_grad, self.start), (self.saved, self.start)):
+            if t is not None and (self.window or self.reduced):
+                t[max(lo - start, 0) : max(min(hi - start, t.numel()), 0)].zero_()
+
     def split(self, full: torch.Tensor) -> dict[str, torch.Tensor]:
         """A full flat tensor → {name: view shaped like the parameter} (padding dropped)."""
         return {name: full[off : off + p.numel()].view(p.shape)
@@ -171,8 +269,7 @@ class FlatGroup:
             return
         self.flat.untyped_storage().resize_(self.padded * self.flat.element_size())
         self.gather_input = self.shard.to(self.flat.device, non_blocking=True)  # offload_param: H2D
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self.gather_work = gather(self.flat, self.gather_input, group=group, async_op=True)
+        self.gather_work = all_gather_single(self.flat, self.gather_input, group, async_op=True)
         if not async_op:
             self.wait_gather()
 
@@ -181,6 +278,23 @@ class FlatGroup:
             self.gather_work.wait()
             self.gather_work, self.gather_input = None, None
             self.gathered = True
+
+
+def all_gather_shards(groups: list[FlatGroup], group, max_elements: int) -> None:
+    """Every owner's shard into every rank's flat parameters (after a step), one all-gather per
+    persistent group, at most `max_elements` in flight (DeepSpeed's `allgather_bucket_size`)."""
+    in_flight, elements = [], 0
+    for g in groups:
+        if not g.persistent:
+            continue
+        if in_flight and elements + g.padded > max_elements:
+            for work in in_flight:
+                work.wait()
+            in_flight, elements = [], 0
+        in_flight.append(all_gather_single(g.flat, g.shard.clone(), group, async_op=True))
+        elements += g.padded
+    for work in in_flight:
+        work.wait()
 
 
 def assign_owners(params: list[nn.Parameter], world: int) -> dict[int, int]:
@@ -222,3 +336,39 @@ def make_groups(named_groups: list[list[tuple[str, nn.Parameter]]], world: int, 
             g.offsets, g.numel = [where[id(p)] for p in g.params], world * size
         groups.append(g)
     return groups
+
+
+class ShardedGrad(torch.Tensor):
+    """What `p.grad` holds while the gradient lives in ZeRO's shards: the parameter's shape, dtype
+    and device, and no storage. Any real op on it (a norm, `mul_`, an optimizer's update,
+    GradScaler's `unscale_`, `clone`) raises `message`, which names the fix, so that torch's
+    `clip_grad_norm_(model.parameters())` cannot silently clip nothing. `zero_()` zeroes the
+    gradient it stands for (`on_zero`) and `detach()` is itself, so torch's
+    `zero_grad(set_to_none=False)` keeps its meaning."""
+
+    message: str
+    on_zero: Callable[[], None]
+
+    @staticmethod
+    def __new__(cls, param: torch.Tensor, message: str, on_zero: Callable[[], None]):
+        t = torch.Tensor._make_wrapper_subclass(cls, param.shape, dtype=param.dtype, device=param.device)
+        t.message, t.on_zero = message, on_zero
+        return t
+
+    def __repr__(self) -> str:
+        return f"ShardedGrad(shape={tuple(self.shape)}, dtype={self.dtype}): {self.message}"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        aten = torch.ops.aten
+        if func is aten.zero_.default:
+            args[0].on_zero()
+            return args[0]
+        if func is aten._foreach_zero_.default:  # Optimizer.zero_grad(set_to_none=False)
+            for t in args[0]:
+                t.on_zero() if isinstance(t, ShardedGrad) else t.zero_()
+            return None
+        if func in (aten.detach.default, aten.detach_.default, aten.alias.default):
+            return args[0]
+        leaves, _ = tree_flatten((args, kwargs or {}))
+        raise RuntimeError(next(t for t in leaves if isinstance(t, ShardedGrad)).message)

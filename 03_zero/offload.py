@@ -48,6 +48,15 @@ def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return t
 
 
+def buffer_empty(numel: int, dtype: torch.dtype, device: torch.device, compute: torch.device,
+                 pin_memory: bool = True) -> torch.Tensor:
+    """A buffer allocated once on `device`: on the host of a GPU run (`compute` on CUDA) page-locked
+    at its exact size (`pinned_empty`), so that copies to and from the GPU run asynchronously."""
+    if pin_memory and device.type == "cpu" and compute.type == "cuda":
+        return pinned_empty(numel, dtype)
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
 def host_cores_per_rank() -> int:
     """This rank's share of the host: the machine's cores split among the node's ranks, and never
     more than the cores this process is allowed to run on (taskset, SLURM's cpu binding)."""

@@ -1,100 +1,144 @@
-"""ZeroOptimizer's checkpoints in torch's per-parameter optimizer format, consolidated.
+"""ZeroOptimizer's state seen whole: which inner tensor is which piece of the layout, its
+checkpoints in torch's per-parameter optimizer format (consolidated), and gathered full tensors.
+
+`inner_tensors` hands the inner optimizer each master slice, or with whole-parameter ownership a
+view of it per parameter this rank owns (its `pieces`).
 
 `state_dict` gathers every rank's shards whole on every rank (one `all_gather_object`: it fits
 teaching sizes; torch's ZeroRedundancyOptimizer consolidates on one rank, DeepSpeed saves shards),
 then cuts each flat slice back into per-parameter tensors at the layout's offsets;
 `load_state_dict` is the inverse: each rank cuts its slice (or its whole parameters) out of the
-full tensors, from any world size or from a single-device torch optimizer.
+full tensors, from any world size or from a single-device torch optimizer. The functions take the
+optimizer's parts they read: its `param_groups`, `flat_groups`, the inner optimizer and `pieces`,
+the list of (inner tensor, flat group index, parameter index or None for a whole slice).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from common.collectives import all_gather_single
+
 from .flat import FlatGroup
 
-if TYPE_CHECKING:
-    from .optimizer import ZeroOptimizer
+Pieces = list[tuple[torch.Tensor, int, int | None]]  # (inner tensor, group index, param index | None)
+
+
+def inner_tensors(groups: list[FlatGroup], first: int, whole_params: bool) -> Pieces:
+    """What the inner optimizer steps: each master slice (`groups` are the optimizer's flat groups
+    from index `first` on), or with `whole_params` a view of it per parameter this rank owns, in
+    the parameter's shape."""
+    pieces = []
+    for gi, g in enumerate(groups, start=first):
+        if not whole_params:
+            pieces.append((g.master, gi, None))
+            continue
+        for i, (p, off) in enumerate(zip(g.params, g.offsets, strict=True)):
+            local = off - g.start
+            if 0 <= local < g.shard_size and p.numel():
+                pieces.append((g.master[local : local + p.numel()].view(p.shape), gi, i))
+    return pieces
+
+
+def gathered(groups: list[FlatGroup], shard_of: Callable[[FlatGroup], torch.Tensor], dtype: torch.dtype,
+             device: torch.device, group, sharded: bool) -> dict[str, torch.Tensor]:
+    """{name: full tensor}: `shard_of(g)` of every rank all-gathered over `group` (a collective),
+    or copied where this rank holds it whole (not `sharded`: stage 0)."""
+    out = {}
+    for g in groups:
+        shard = shard_of(g).to(device)
+        if sharded:
+            full = torch.empty(g.padded, dtype=dtype, device=device)
+            all_gather_single(full, shard, group)
+        else:
+            full = shard.clone()
+        out.update(g.split(full))
+    return out
 
 
 def _copy(value: Any) -> Any:
     return value.detach().clone() if torch.is_tensor(value) else value
 
 
-def consolidated_state_dict(opt: ZeroOptimizer) -> dict[str, Any]:
+def consolidated_state_dict(param_groups: list[dict], flat_groups: list[FlatGroup], pieces: Pieces,
+                            inner: torch.optim.Optimizer, group, shard_world: int,
+                            with_master: bool) -> dict[str, Any]:
     """{"state": {index: {key: full-shape tensor}}, "param_groups": [...]}, as a single-device
-    torch optimizer writes it, on every rank (a collective: each rank's shards are gathered
-    whole, so it fits teaching sizes; torch consolidates on one rank, DeepSpeed saves shards).
-    bf16 adds each parameter's fp32 "master"."""
+    torch optimizer writes it, on every rank (a collective over `group`: each rank's shards are
+    gathered whole, so it fits teaching sizes; torch consolidates on one rank, DeepSpeed saves
+    shards). The first `shard_world` ranks hold the shards (stage 0: rank 0 holds everything).
+    `with_master` (bf16) adds each parameter's fp32 "master"."""
     local = {}
-    for t, gi, i in opt.pieces:
-        state = dict(opt.optim.state.get(t, {}))
-        if opt.master_dtype != opt.compute_dtype:
+    for t, gi, i in pieces:
+        state = dict(inner.state.get(t, {}))
+        if with_master:
             state["master"] = t
         local[gi, i] = {k: _copy(v).cpu() if torch.is_tensor(v) else v for k, v in state.items()}
-    gathered = [None] * opt.world
-    dist.all_gather_object(gathered, local, group=opt.group)
-    index = {id(p): n for n, p in enumerate(p for group in opt.param_groups for p in group["params"])}
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, local, group=group)
+    index = {id(p): n for n, p in enumerate(p for pg in param_groups for p in pg["params"])}
     state = {}
-    for gi, g in enumerate(opt.flat_groups):
-        if opt.ownership == "parameter":
+    for gi, g in enumerate(flat_groups):
+        if (gi, None) not in gathered[0]:  # whole-parameter ownership: a piece is one parameter
             for i, p in enumerate(g.params):
-                found = [s[gi, i] for s in gathered[: opt.shard_world] if (gi, i) in s]
+                found = [s[gi, i] for s in gathered[:shard_world] if (gi, i) in s]
                 if found and found[0]:
                     state[index[id(p)]] = found[0]
             continue
-        shards = [s[gi, None] for s in gathered[: opt.shard_world]]
+        shards = [s[gi, None] for s in gathered[:shard_world]]
         sliced = {k for k, v in shards[0].items() if torch.is_tensor(v) and v.shape == (g.shard_size,)}
         whole = {k: torch.cat([s[k] for s in shards]) if k in sliced else v for k, v in shards[0].items()}
         for p, off in zip(g.params, g.offsets, strict=True):
             if whole:  # scalars ("step") copied: each parameter's own, as torch's optimizers keep them
                 state[index[id(p)]] = {k: v[off : off + p.numel()].view(p.shape).clone() if k in sliced
                                        else _copy(v) for k, v in whole.items()}
-    groups = [{**{k: v for k, v in group.items() if k != "params"},
-               "params": [index[id(p)] for p in group["params"]]} for group in opt.param_groups]
+    groups = [{**{k: v for k, v in pg.items() if k != "params"},
+               "params": [index[id(p)] for p in pg["params"]]} for pg in param_groups]
     return {"state": state, "param_groups": groups}
 
 
-def load_consolidated_state_dict(opt: ZeroOptimizer, state_dict: Mapping[str, Any]) -> None:
+def load_consolidated_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict],
+                                 flat_groups: list[FlatGroup], pieces: Pieces,
+                                 inner: torch.optim.Optimizer) -> None:
     """Load a consolidated (or single-device torch) state dict: settings into `param_groups`,
-    each rank cutting its own shards out of the whole. Load the model's weights first: the
-    masters are refreshed from them unless the dict holds "master" values."""
+    each rank cutting its own shards out of the whole into `inner` and the masters. Load the
+    model's weights first: the masters are refreshed from them unless the dict holds "master"
+    values. The caller then all-gathers the updated shards."""
     saved = state_dict["param_groups"]
-    if [len(s["params"]) for s in saved] != [len(g["params"]) for g in opt.param_groups]:
+    if [len(s["params"]) for s in saved] != [len(g["params"]) for g in param_groups]:
         raise ValueError("the state dict's param groups differ in number or size from this optimizer's")
     by_param = {}
-    for group, saved_group in zip(opt.param_groups, saved, strict=True):
+    for group, saved_group in zip(param_groups, saved, strict=True):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
         for p, n in zip(group["params"], saved_group["params"], strict=True):
             by_param[p] = state_dict["state"].get(n, {})
-    inner = {}
-    for n, (_, gi, i) in enumerate(opt.pieces):
-        g = opt.flat_groups[gi]
+    states = {}
+    for n, (_, gi, i) in enumerate(pieces):
+        g = flat_groups[gi]
         if i is not None:
-            inner[n] = {k: _copy(v) for k, v in by_param[g.params[i]].items()}
+            states[n] = {k: _copy(v) for k, v in by_param[g.params[i]].items()}
         elif by_param[g.params[0]]:  # per-element state is shaped like its parameter
-            inner[n] = {k: _slice_of(g, by_param, k) if torch.is_tensor(v) and v.dim() > 0
-                        and v.shape == g.params[0].shape else _copy(v)
-                        for k, v in by_param[g.params[0]].items()}
-    for g in opt.flat_groups:
+            states[n] = {k: _slice_of(g, by_param, k) if torch.is_tensor(v) and v.dim() > 0
+                         and v.shape == g.params[0].shape else _copy(v)
+                         for k, v in by_param[g.params[0]].items()}
+    for g in flat_groups:
         if "master" in by_param[g.params[0]]:
             g.master.copy_(_slice_of(g, by_param, "master"))
             g.shard.copy_(g.master)
         elif g.master is not g.shard:
             g.master.copy_(g.shard)
-    for state in inner.values():
+    for state in states.values():
         state.pop("master", None)
-    ids, groups = iter(range(len(opt.pieces))), []
-    for group, inner_group in zip(opt.param_groups, opt.optim.param_groups, strict=True):
+    ids, groups = iter(range(len(pieces))), []
+    for group, inner_group in zip(param_groups, inner.param_groups, strict=True):
         groups.append({**{k: v for k, v in group.items() if k != "params"},
                        "params": [next(ids) for _ in inner_group["params"]]})
-    opt.optim.load_state_dict({"state": inner, "param_groups": groups})
-    opt._gather_updated_parameters()
+    inner.load_state_dict({"state": states, "param_groups": groups})
 
 
 def _slice_of(g: FlatGroup, by_param: Mapping[nn.Parameter, dict], key: str) -> torch.Tensor:
@@ -104,3 +148,13 @@ def _slice_of(g: FlatGroup, by_param: Mapping[nn.Parameter, dict], key: str) -> 
     for p, off, v in zip(g.params, g.offsets, values, strict=True):
         flat[off : off + p.numel()] = v.reshape(-1)
     return flat[g.start : g.start + g.shard_size].clone()
+
+
+def state_tensors(groups: list[FlatGroup], inner: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
+    """The live tensors of the training state by kind (for a storage-deduplicated ledger)."""
+    opt = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {
+        "params": [g.flat for g in groups] + [g.shard for g in groups if not g.persistent],
+        "grads": [t for g in groups for t in (g.grad_flat, g.shard_grad, g.host_grad) if t is not None],
+        "optimizer": opt + [g.master for g in groups if g.master is not g.shard],
+    }

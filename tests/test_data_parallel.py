@@ -207,7 +207,7 @@ def test_bad_input_fails_on_every_rank_before_any_collective(pools, argv, messag
 
 def test_ddp_rejects_a_negative_bucket_cap(pools):
     with pytest.raises(RankError, match=r"bucket_cap_mb=-1 must be >= 0"):
-        pools.run(1, DistributedDataParallel, nn.Linear(2, 2), None, -1)
+        pools.run(1, DistributedDataParallel, nn.Linear(2, 2), bucket_cap_mb=-1)
 
 
 def build_broken(args, ctx, layout) -> dp_train.DataParallelStrategy:

@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import copy
+import math
 from contextlib import nullcontext
 
 import pytest
@@ -24,6 +26,8 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.nn import functional as F
+from torch.optim.lr_scheduler import LambdaLR
 
 from common.comm import CommMeter
 from common.data import local_micro_batches, split_inputs_targets
@@ -169,11 +173,25 @@ def test_a_gradient_ready_twice_before_its_reduction_is_an_error_on_every_rank(p
 
 # ---------------------------------------------------------------- torch's knobs: bucket cap, unused params
 
-def test_bucket_cap_none_is_one_bucket_and_zero_a_bucket_per_parameter(pools):
+def test_bucket_cap_inf_is_one_bucket_and_zero_a_bucket_per_parameter(pools):
     """(Training on any layout is the property above: buckets only change when the sum runs.)"""
     numels = [p.numel() for p in build_model(TINY).parameters()]
-    assert pools.run(1, bucket_count, TINY, None)[0] == [sum(numels)]
+    assert pools.run(1, bucket_count, TINY, math.inf)[0] == [sum(numels)]
     assert pools.run(1, bucket_count, TINY, 0)[0] == numels[::-1]
+
+
+def bucket_mib(bucket_cap_mb: float | None) -> list[float]:
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])  # 4 MiB + 4 KiB per layer
+    dp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    return [b.buffer.numel() * b.buffer.element_size() / 2**20 for b in dp.buckets]
+
+
+def test_bucket_cap_none_is_torchs_default_25_mib_with_a_1_mib_first_bucket(pools):
+    """torch reads None as 25 MiB and caps the first bucket (the last layers' gradients, ready
+    first) at 1 MiB; an explicit 25 does not. 32 MiB of gradients: the 25 MiB cap shows."""
+    default, explicit = pools.run(1, bucket_mib, None)[0], pools.run(1, bucket_mib, 25.0)[0]
+    assert len(default) == 3 and default[0] <= 1 < default[1] and max(default) <= 25, default
+    assert len(explicit) == 2 and explicit[0] > 1 and max(explicit) <= 25, explicit
 
 
 class Branchy(nn.Module):
@@ -202,9 +220,10 @@ def branchy_batches(step: int, rank: int) -> list[tuple[torch.Tensor, bool]]:
             for m in range(micro)]
 
 
-def branchy_run(distributed: bool) -> dict:
+def branchy_run(distributed: bool, set_to_none: bool) -> dict:
     """Three AdamW steps of Branchy: on every rank through DDP(find_unused_parameters=True), or on
-    one device over every rank's micro-batches (the reference). Gradients as applied (None kept)."""
+    one device over every rank's micro-batches (the reference). Gradients as applied (None kept),
+    zeroed by `optimizer.zero_grad(set_to_none)`."""
     world, steps, micro = UNUSED_SPEC
     torch.manual_seed(0)
     model = Branchy().double()
@@ -222,17 +241,19 @@ def branchy_run(distributed: bool) -> dict:
                     loss.backward()
         grads.append({n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()})
         optimizer.step()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=set_to_none)
     return {"grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def test_find_unused_parameters_trains_as_one_device_does(pools):
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_find_unused_parameters_trains_as_one_device_does(pools, set_to_none):
     """A parameter used on some ranks only gets the average with zeros from the others (a stale
-    slot is zeroed, an accumulated no_sync gradient kept); one that no rank used keeps grad None,
-    so AdamW skips it (no weight decay, no momentum) exactly as on one device."""
+    slot is zeroed, an accumulated no_sync gradient kept); one that no rank used keeps its .grad
+    as it was, as torch's DDP does: None (AdamW skips it: no weight decay, no momentum) or, after
+    zero_grad(set_to_none=False), zeros (AdamW decays it), exactly as on one device."""
     world, steps, _ = UNUSED_SPEC
-    expected = branchy_run(distributed=False)
-    for ranked in pools.run(world, branchy_run, True):
+    expected = branchy_run(False, set_to_none)
+    for ranked in pools.run(world, branchy_run, True, set_to_none):
         for step in range(steps):
             for name, want in expected["grads"][step].items():
                 got = ranked["grads"][step][name]
@@ -241,7 +262,8 @@ def test_find_unused_parameters_trains_as_one_device_does(pools):
                     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15, msg=f"{step} {name}")
         for name, want in expected["params"].items():
             torch.testing.assert_close(ranked["params"][name], want, rtol=1e-12, atol=1e-15, msg=name)
-    assert expected["grads"][2]["branch.weight"] is None and expected["grads"][1]["branch.weight"] is not None
+    assert (expected["grads"][2]["branch.weight"] is None) == set_to_none, expected["grads"][2]
+    assert expected["grads"][1]["branch.weight"] is not None and expected["grads"][2]["never.weight"] is None
 
 
 # ---------------------------------------------------------------- fp32 main_grad for bf16 parameters
@@ -333,12 +355,12 @@ def gradient_storage(zero_grad: str) -> dict:
     model = build_model(TINY, 0, torch.float64)
     dp = DistributedDataParallel(model, bucket_cap_mb=0.004)
     optimizer = make_optimizer(model.parameters(), "adamw", 1e-3)
-    slots = {n: p.grad.data_ptr() for n, p in model.named_parameters()}
     buckets = [b.buffer for b in dp.buckets]
-    same_place, one_copy = [], []
+    same_place, one_copy, slots = [], [], {}
     for step in range(3):
         tokens = torch.randint(0, TINY.vocab_size, (2, 7), generator=torch.Generator().manual_seed(step))
         loss_fn(dp(tokens[:, :-1]), tokens[:, 1:]).backward()
+        slots = slots or {n: p.grad.data_ptr() for n, p in model.named_parameters()}  # the first backward's
         grads = [p.grad for p in model.parameters()]
         same_place.append(all(p.grad.data_ptr() == slots[n] for n, p in model.named_parameters()))
         one_copy.append(storage_bytes([*grads, *buckets]) == storage_bytes(buckets))
@@ -386,7 +408,7 @@ def broadcast_rank_dependent(members: list[int] | None, wrapper: str) -> tuple[d
     if members is None or rank in members:
         {"broadcast_module": lambda: broadcast_module(module, group),
          "naive": lambda: NaiveDataParallel(module, group),
-         "ddp": lambda: DistributedDataParallel(module, group)}[wrapper]()
+         "ddp": lambda: DistributedDataParallel(module, process_group=group)}[wrapper]()
     return before, module.state_dict()
 
 
@@ -465,3 +487,119 @@ def test_the_helpers_apply_exactly_the_stated_tolerance(pools):
     check_strategy_rejected(pools, SMALL, scaled_gradient_strategy, 1 + 11 * tol)
     with pytest.raises(AssertionError, match="a broken strategy passed"):
         check_strategy_rejected(pools, SMALL, scaled_gradient_strategy, 1 + 9 * tol)
+
+
+# ---------------------------------------------------------------- a user's plain torch loop (nanoGPT's)
+
+PLAIN_ROWS, PLAIN_CLIP = 12, 1.0  # 12 rows split evenly over 2 or 3 ranks; nanoGPT's clip
+
+
+def plain_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+
+
+def plain_batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10 * step + micro)
+    return (torch.randn(PLAIN_ROWS, 6, generator=g, dtype=torch.float64),
+            3 * torch.randn(PLAIN_ROWS, 3, generator=g, dtype=torch.float64))  # norms above the clip
+
+
+def max_relative_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-30)).item() for k in b)
+
+
+def ddp_plain_loop(zero_grad: str, accumulate: str) -> dict:
+    """Three steps of nanoGPT's loop on our DDP with torch's defaults: 2 backward passes per step
+    (the first under no_sync(), or nanoGPT's `model.require_backward_grad_sync = last` toggle),
+    torch's clip_grad_norm_(model.parameters(), 1.0), AdamW + LambdaLR, zero_grad by the model
+    or the optimizer. A single-process replica trains on the whole batch alongside."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = plain_model()
+    replica = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+            for m in (ddp, replica)]
+    scheds = [LambdaLR(opt, lambda step: min(1.0, (step + 1) / 3)) for opt in opts]
+    rows = slice(rank * PLAIN_ROWS // world, (rank + 1) * PLAIN_ROWS // world)
+    grads, norms, calls = [], [], []
+    for step in range(3):
+        for micro in range(2):
+            x, y = plain_batch(step, micro)
+            last = micro == 1
+            if accumulate == "toggle":
+                ddp.require_backward_grad_sync = last
+            with CommMeter() as meter, nullcontext() if last or accumulate == "toggle" else ddp.no_sync():
+                (F.mse_loss(ddp(x[rows]), y[rows]) / 2).backward()
+            calls.append(meter.calls("all_reduce"))
+            (F.mse_loss(replica(x), y) / 2).backward()
+        grads.append(max_relative_diff({n: p.grad for n, p in model.named_parameters()},
+                                       {n: p.grad for n, p in replica.named_parameters()}))
+        norms.append([torch.nn.utils.clip_grad_norm_(m.parameters(), PLAIN_CLIP).item()
+                      for m in (ddp, replica)])
+        for opt, sched in zip(opts, scheds, strict=True):
+            opt.step()
+            sched.step()
+        {"model": lambda: ddp.zero_grad(set_to_none=True),
+         "model-in-place": lambda: ddp.zero_grad(set_to_none=False),
+         "optimizer": lambda: opts[0].zero_grad(set_to_none=True)}[zero_grad]()
+        opts[1].zero_grad(set_to_none=True)
+    return {"grads": max(grads), "norms": norms, "keys": list(ddp.state_dict()), "calls": calls,
+            "buckets": len(ddp.buckets),
+            "module_keys": list(model.state_dict()),
+            "params": max_relative_diff(dict(model.named_parameters()), dict(replica.named_parameters()))}
+
+
+@pytest.mark.parametrize("world, zero_grad, accumulate", [(2, "model", "no_sync"), (3, "model", "toggle"),
+                                                          (2, "model-in-place", "toggle"),
+                                                          (3, "optimizer", "no_sync")])
+def test_ddp_in_a_plain_torch_loop_equals_a_single_process_replica(pools, world, zero_grad, accumulate):
+    """torch's contract, name by name: model.zero_grad(set_to_none=...), no_sync() and the
+    require_backward_grad_sync toggle (the first micro-batch of a step communicates nothing),
+    clip_grad_norm_ on model.parameters() (which really clips: every norm is above 1), an LR
+    scheduler, and state_dict keys prefixed "module."."""
+    for r in pools.run(world, ddp_plain_loop, zero_grad, accumulate):
+        assert r["grads"] <= 1e-10 and r["params"] <= 1e-10, r
+        assert r["calls"] == [0, r["buckets"]] * 3, r
+        assert all(ref > PLAIN_CLIP and ours == pytest.approx(ref, rel=1e-10) for ours, ref in r["norms"]), r
+        assert r["keys"] == ["module." + k for k in r["module_keys"]]
+
+
+def buffers_against_torch_ddp() -> dict:
+    """Three SGD steps of a model with BatchNorm (running statistics updated in forward, from each
+    rank's own rows) through our DDP and through torch's, both with torch's defaults."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)).double()
+    nets = [DistributedDataParallel(copy.deepcopy(model)),
+            torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model))]
+    for net in nets:
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for step in range(3):
+            x = torch.randn(6, 4, generator=torch.Generator().manual_seed(10 * step + dist.get_rank()),
+                            dtype=torch.float64) * (1 + dist.get_rank())
+            net(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    ours, theirs = (net.state_dict() for net in nets)
+    del nets  # torch's DDP holds the process group: gone before the pool's next call
+    return {k: (ours[k] - theirs[k]).abs().max().item() for k in theirs}
+
+
+def test_broadcast_buffers_follows_torchs_ddp(pools):
+    """torch's default broadcast_buffers=True: every forward starts from rank 0's buffers."""
+    for diffs in pools.run(2, buffers_against_torch_ddp):
+        assert max(diffs.values()) <= 1e-12 and "module.1.running_mean" in diffs, diffs
+
+
+def refused(kind: str) -> None:
+    model = nn.Linear(2, 2)
+    {"device_ids": lambda: DistributedDataParallel(model, device_ids=[0]),
+     "static_graph": lambda: DistributedDataParallel(model, static_graph=True)}[kind]()
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("device_ids", r"device_ids=\[0\] but the module's parameters are on \['cpu'\]: move the module"),
+    ("static_graph", r"unexpected keyword argument 'static_graph'")])
+def test_torch_arguments_it_cannot_honour_fail_loudly(pools, kind, message):
+    with pytest.raises(RankError, match=message):
+        pools.run(1, refused, kind)

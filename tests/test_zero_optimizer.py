@@ -6,16 +6,21 @@ ownership makes a shape-dependent optimizer (Adafactor) exact; slice ownership r
 from __future__ import annotations
 
 import copy
+import itertools
+from contextlib import nullcontext
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from hypothesis import example, given
+from hypothesis import strategies as st
 from torch import nn
 from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR
 
+from common.comm import CommMeter
 from tests.harness import RankError
-from zero import ZeroOptimizer
+from zero import ZeroOptimizer, assign_owners
 
 HAS_ADAFACTOR = hasattr(torch.optim, "Adafactor")  # torch >= 2.5
 OPTIMIZERS = {"adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "foreach": False}),
@@ -124,3 +129,202 @@ def test_slice_ownership_refuses_a_shape_dependent_optimizer(pools):
     with pytest.raises(RankError, match=r"Adafactor is not element-wise.*ownership='parameter'") as info:
         pools.run(2, slice_adafactor)
     assert sorted(info.value.errors) == [0, 1]
+
+
+# --- a user's plain torch loop (nanoGPT's): p.grad, torch's clip, model.zero_grad, accumulation ---
+PLAIN_CLIP = 1.0  # nanoGPT's; the targets are scaled so that every step's norm is above it
+
+
+class GradNoneAfterBackward(ZeroOptimizer):
+    """Negative control, the behaviour issue 24 found: p.grad None after backward, so torch's
+    clip_grad_norm_(model.parameters()) sees no gradient and silently clips nothing."""
+
+    def ensure_end_of_backward_callback(self) -> None:
+        if not self._pending:
+            self._pending = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        super()._end_of_backward()
+        for p in self._slot:
+            p.grad = None
+
+    def _require_reduced(self, what: str) -> bool:
+        return True
+
+
+def plain_loop(stage: int, clip: str, zero_grad: str, accumulate: str, broken: bool = False) -> dict:
+    """Three steps of 2 backward passes each (plain, or the first under opt.no_sync()), clipped by
+    torch's clip_grad_norm_(model.parameters(), 1.0) or by opt.clip_grad_norm_(1.0), AdamW +
+    LambdaLR, zeroed by the optimizer or the model. A single-process replica trains on the whole
+    batch alongside. Returns the largest differences, or the error the clip raised."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model(0)
+    replica = copy.deepcopy(model)
+    cls = GradNoneAfterBackward if broken else ZeroOptimizer
+    opt = cls(model.parameters(), torch.optim.AdamW, stage=stage, lr=1e-2, weight_decay=0.1, foreach=False)
+    ref_opt = torch.optim.AdamW(replica.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    scheds = [SCHEDULERS["lambda"](o) for o in (opt, ref_opt)]
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    grads, norms, calls = [], [], []
+    for step in range(3):
+        for micro in range(2):
+            x, y = batch(10 * step + micro)
+            sync = micro == 1 or accumulate == "plain"
+            with CommMeter() as meter, nullcontext() if sync else opt.no_sync():
+                (F.mse_loss(model(x[rows]), 3 * y[rows]) / 2).backward()
+            calls.append(sum(int(s["calls"]) for s in meter.as_dict().values()))
+            (F.mse_loss(replica(x), 3 * y) / 2).backward()
+        ref_grads = {f"param_groups[0][{i}]": p.grad for i, p in enumerate(replica.parameters())}
+        grads.append(max_relative_diff(opt.full_gradients(), ref_grads))  # before clipping, gathered
+        try:
+            norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), PLAIN_CLIP) if clip == "torch"
+                    else opt.clip_grad_norm_(PLAIN_CLIP))
+        except RuntimeError as error:
+            return {"error": str(error)}
+        norms.append((norm.item(), torch.nn.utils.clip_grad_norm_(replica.parameters(), PLAIN_CLIP).item()))
+        for o, sched in zip((opt, ref_opt), scheds, strict=True):
+            o.step()
+            sched.step()
+        {"optimizer": lambda: opt.zero_grad(set_to_none=True),
+         "model": lambda: model.zero_grad(set_to_none=True),
+         "model-in-place": lambda: model.zero_grad(set_to_none=False)}[zero_grad]()
+        ref_opt.zero_grad(set_to_none=True)
+    silent = [0, len(opt.flat_groups)] if accumulate == "no_sync" else [len(opt.flat_groups)] * 2
+    return {"grads": max(grads), "norms": norms, "calls": calls, "expected_calls": silent * 3,
+            "params": max_relative_diff(dict(model.named_parameters()), dict(replica.named_parameters()))}
+
+
+def check_plain_loop(result: dict) -> None:
+    """Single-device numbers at 1e-10 with every norm above the clip (so clipping mattered), or
+    an error that names the fix."""
+    if "error" in result:
+        assert "opt.clip_grad_norm_(max_norm)" in result["error"], result
+        return
+    assert result["grads"] <= 1e-10 and result["params"] <= 1e-10, result
+    assert result["calls"] == result["expected_calls"], result  # under no_sync(): no reduction
+    assert all(ref > PLAIN_CLIP and ours == pytest.approx(ref, rel=1e-10)
+               for ours, ref in result["norms"]), result
+
+
+@pytest.mark.parametrize("world, stage, clip, zero_grad, accumulate", [
+    (2, 0, "torch", "model", "plain"),           # stage 0: p.grad views the all-reduced gradient
+    (3, 0, "torch", "model-in-place", "no_sync"),
+    (2, 1, "torch", "model", "plain"),           # stages 1-2: torch's clip raises, naming the fix
+    (3, 2, "torch", "optimizer", "plain"),
+    (2, 1, "ours", "model", "plain"),            # ... and the fix is exact
+    (3, 1, "ours", "model-in-place", "no_sync"),
+    (3, 2, "ours", "optimizer", "no_sync"),
+    (2, 2, "ours", "model", "plain"),
+])
+def test_zero_optimizer_in_nanogpts_loop_equals_a_single_process_replica(pools, world, stage, clip, zero_grad,
+                                                                         accumulate):
+    results = pools.run(world, plain_loop, stage, clip, zero_grad, accumulate)
+    for result in results:
+        check_plain_loop(result)
+    assert ("error" in results[0]) == (clip == "torch" and stage > 0), results[0]
+
+
+def test_p_grad_none_after_backward_is_caught_by_the_plain_loop_check(pools):
+    """The check above rejects the silent bug it exists for: torch's clip sees no gradient
+    (norm 0), clips nothing, and training drifts (parameters 5e-2 off after three steps)."""
+    result = pools.run(2, plain_loop, 1, "torch", "optimizer", "plain", True)[0]
+    with pytest.raises(AssertionError):
+        check_plain_loop(result)
+    assert result["norms"][0][0] == 0 and result["params"] > 1e-3, result  # silently off
+
+
+def reads_of_p_grad(stage: int, bf16: bool) -> dict:
+    """After one backward: every way a torch loop reads p.grad, then torch's zero_grad both ways."""
+    model = make_model(0).to(torch.float32 if bf16 else torch.float64)
+    opt = ZeroOptimizer(model.parameters(), torch.optim.SGD, stage=stage, bf16=bf16, lr=0.1)
+    x, y = batch(0)
+    F.mse_loss(model(x.to(model[0].weight.dtype)).float(), y.float()).backward()
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(torch.ones(()))
+    reads = {"clip foreach": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True),
+             "clip": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=False),
+             "GradScaler.unscale_": lambda: scaler.unscale_(opt),
+             "logging a norm": lambda: [p.grad.norm().item() for p in model.parameters()],
+             "a torch optimizer": lambda: torch.optim.AdamW(model.parameters()).step(),
+             "a copy": lambda: [p.grad.clone() for p in model.parameters()]}
+    errors = {}
+    for name, read in reads.items():
+        try:
+            read()
+        except RuntimeError as error:
+            errors[name] = str(error)
+    before = {n: g.clone() for n, g in opt.full_gradients().items()}
+    model.zero_grad(set_to_none=False)
+    zeroed = all(g.abs().max() == 0 for g in opt.full_gradients().values())
+    model.zero_grad()
+    return {"errors": errors, "reads": len(reads), "zeroed": zeroed, "nonzero_before": all(
+        g.abs().max() > 0 for g in before.values()), "none": all(p.grad is None for p in model.parameters())}
+
+
+@pytest.mark.parametrize("stage, bf16", [(1, False), (2, False), (0, True)])
+def test_every_read_of_a_sharded_p_grad_raises_naming_the_fix_and_zero_grad_works(pools, stage, bf16):
+    """torch's clip (foreach or not), GradScaler.unscale_, logging a norm, a torch optimizer, a
+    copy: each raises, naming opt.clip_grad_norm_; model.zero_grad(set_to_none=False) zeroes the
+    sharded gradient, model.zero_grad() clears p.grad."""
+    for r in pools.run(2, reads_of_p_grad, stage, bf16):
+        assert len(r["errors"]) == r["reads"], r
+        assert all("opt.clip_grad_norm_(max_norm)" in e and ".grad lives in" in e
+                   for e in r["errors"].values()), r
+        assert r["nonzero_before"] and r["zeroed"] and r["none"], r
+
+
+def misuse(kind: str) -> None:
+    model = make_model(0)
+    opt = ZeroOptimizer(model.parameters(), torch.optim.SGD, stage=1, lr=0.1)
+    x, y = batch(0)
+    loss = lambda: F.mse_loss(model(x), y)  # noqa: E731
+    if kind == "step after no_sync":
+        with opt.no_sync():
+            loss().backward()
+        opt.step()
+    elif kind == "half cleared":
+        loss().backward()
+        model[0].bias.grad = None
+        opt.step()
+    else:  # a p.grad replaced by another tensor, then a backward
+        loss().backward()
+        model[0].bias.grad = torch.zeros_like(model[0].bias)
+        loss().backward()
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("step after no_sync", r"step\(\) after a backward under no_sync\(\).*outside no_sync"),
+    ("half cleared", r"step\(\): \['param_groups\[0\]\[1\]'\] have .grad None and the others do not"),
+    ("replaced", r"param_groups\[0\]\[1\].grad was replaced by another tensor")])
+def test_what_it_cannot_honour_fails_on_every_rank(pools, kind, message):
+    with pytest.raises(RankError, match=message) as info:
+        pools.run(2, misuse, kind)
+    assert sorted(info.value.errors) == [0, 1]
+
+
+# --- whole-parameter ownership balances elements, not tensors ----------------------------------
+def owned_elements(numels: list[int]) -> int:
+    """This rank's elements under ownership='parameter' (what its inner optimizer steps)."""
+    params = [nn.Parameter(torch.zeros(n, dtype=torch.float64)) for n in numels]
+    opt = ZeroOptimizer(params, torch.optim.SGD, stage=1, ownership="parameter", lr=0.1)
+    return sum(t.numel() for t, _, _ in opt.pieces)
+
+
+def test_parameter_ownership_balances_the_elements_per_rank(pools):
+    """One tensor of 8 elements and eight of 1 on 2 ranks: largest first to the least-loaded rank
+    gives 8 and 8 (assign_owners' promise); balancing tensor counts would give 12 and 4."""
+    assert pools.run(2, owned_elements, [1, 1, 1, 8, 1, 1, 1, 1, 1]) == [8, 8]
+
+
+@given(numels=st.lists(st.integers(1, 50), min_size=1, max_size=7), world=st.integers(2, 3))
+@example(numels=[6, 1, 1, 1, 1, 1, 1], world=2)  # balancing tensor counts: 9 and 3, the optimum 6
+def test_assign_owners_is_within_four_thirds_of_the_best_balance(numels, world):
+    """Greedy largest-first (LPT) guarantees max load <= 4/3 of the optimum (Graham 1969); the
+    optimum by brute force over every assignment."""
+    params = [torch.empty(n, device="meta") for n in numels]
+    owner = assign_owners(params, world)
+    load = [sum(p.numel() for p in params if owner[id(p)] == r) for r in range(world)]
+    best = min(max(sum(n for n, r in zip(numels, ranks, strict=True) if r == k) for k in range(world))
+               for ranks in itertools.product(range(world), repeat=len(numels)))
+    assert max(load) * 3 <= 4 * best, (numels, load, best)
