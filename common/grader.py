@@ -163,8 +163,12 @@ def record_p2p_plan():
     """Run point-to-point code without moving data: sends and receives are recorded (per
     communicator, in issue order, as P2PRecorder does) and return finished works. Yields the
     recorder; its `groups` are this rank's part of the plan."""
-    stubs = {"batch_isend_irecv": lambda ops: [_Done() for _ in ops],
-             "isend": lambda *a, **k: _Done(), "irecv": lambda *a, **k: _Done()}
+    def stub(name: str, fn):
+        fn.__name__ = name  # P2POp and P2PRecorder tell a send from a receive by the name
+        return fn
+
+    stubs = {"batch_isend_irecv": stub("batch_isend_irecv", lambda ops: [_Done() for _ in ops]),
+             "isend": stub("isend", lambda *a, **k: _Done()), "irecv": stub("irecv", lambda *a, **k: _Done())}
     saved = [(m, n, getattr(m, n)) for n in stubs for m in (dist, c10d)]
     for module, name, _ in saved:
         setattr(module, name, stubs[name])
@@ -237,7 +241,15 @@ def grade_property(package: str, prop: Property, lab_path: str) -> Verdict:
             try:
                 results = pool.run(_on_rank, package, prop.name, lab_path, config, trace_dir,
                                    timeout=prop.timeout_s)
-            except RankTimeoutError:
+            except RankTimeoutError as error:
+                if error.errors:  # some ranks raised; the others waited for them in vain
+                    first = min(error.errors)
+                    return verdict("fail", f"rank {first} raised at world {world}: {error.errors[first]}",
+                                   "the other ranks then waited for its messages until the deadline",
+                                   _last_ops(trace_dir, world))
+                if "died" in str(error):  # gloo aborts a process whose receive gets the wrong size
+                    return verdict("hang", f"a rank died at world {world} (gloo aborts a receive "
+                                   "whose message has another size)", MISMATCH, _last_ops(trace_dir, world))
                 return verdict("hang", f"no answer within {prop.timeout_s:.0f} s at world {world}",
                                MISMATCH, _last_ops(trace_dir, world))
             except RankError as error:
@@ -248,13 +260,18 @@ def grade_property(package: str, prop: Property, lab_path: str) -> Verdict:
                                    MISMATCH, _last_ops(trace_dir, world))
                 first = min(error.errors)
                 return verdict("fail", f"rank {first} raised at world {world}: {error.errors[first]}",
-                               notes=_last_ops(trace_dir, world))
+                               notes=[] if prop.plan else _last_ops(trace_dir, world))
             finally:
-                pool.close()
+                pool.close(grace_s=0.0)  # throwaway ranks: killed, not waited for through torch's teardown
         if not prop.plan:
             runs.append((config, results[0]))
             continue
         ok, detail = _replay(results)
+        if not ok and "unmatched plan" in detail:
+            return verdict("deadlock", f"at world {world}: sends and receives do not pair up",
+                           "the k-th send from a to b meets b's k-th receive from a, and both must have "
+                           "the same size: sender and receiver disagree on what moves (which chunk, "
+                           "which peer, how many messages)", [detail])
         if not ok:
             return verdict("deadlock", f"at world {world}: would hang on NCCL",
                            "a send completes only when its receive runs in the peer's current group: "
