@@ -1,12 +1,15 @@
 """Chapter 02's exercises: each check takes the student's function, prints ✓ or ✗ with the figure
 that decided, and returns a bool (it never raises). The notebook calls them; `solutions.py` holds
-one answer per name, `WRONG` a plausible mistake that each check must reject.
+one answer per name, `WRONG` a plausible mistake that each check must reject. A wrong answer is told
+where it fails, never what the answer is.
 
-    ring_bytes_per_rank(S, n)           = 2(n-1)/n · S          (the article writes 2 · S/n)
-    reduce_scatter_schedule(r, s, n)    = (chunk rank r sends, chunk it receives) at step s, played
-                                          out in one process: rank r must end with chunk r summed
-    broken_ring_survivor(c, n)          = whose data chunk c holds when a receive overwrites the
-                                          local copy instead of adding to it (the aliasing bug)
+    reduce_scatter_schedule(r, s, n)    (chunk rank r sends, chunk it receives) at reduce-scatter
+                                        step s, played out in one process for n = 2 … 8
+    broken_ring_survivor(c, n)          whose data chunk c ends with, on its owner, when each
+                                        receive overwrites the local copy instead of adding to it
+
+The ring itself (reduce-scatter, all-gather, all-reduce, and the bytes they send) is the lab:
+lab.py, graded by `make lab-check N=2`.
 """
 
 from __future__ import annotations
@@ -18,18 +21,6 @@ import torch
 from common.exercise import attempt
 
 from .plan import all_gather_chunks, chunk_sizes, reduce_scatter_chunks
-from .ring import ring_traffic
-
-
-def check_ring_bytes_per_rank(fn: Callable[[int, int], float]) -> bool:
-    def check() -> tuple[bool, str]:
-        for S, n in ((2**20, 2), (2**20, 4), (6 * 2**20, 3), (2**30, 8), (2**20, 64)):
-            truth, yours = ring_traffic(S, 1, 0, n)[0], float(fn(S, n))  # 1-byte elements: S bytes
-            if abs(yours - truth) > 1e-9 * truth:
-                return False, f"S={S:,} B, n={n}: yours {yours:,.0f} B, ring.py sends {truth:,.0f} B"
-        return True, f"S=1 MiB, n=64: {ring_traffic(2**20, 1, 0, 64)[0] / 2**20:.3f} MiB per rank, never 2 S"
-
-    return attempt(check, "ring_bytes_per_rank")
 
 
 def play_reduce_scatter(schedule: Callable[[int, int, int], tuple[int, int]], n: int,
@@ -86,21 +77,20 @@ def check_broken_ring_survivor(fn: Callable[[int, int], int]) -> bool:
                 survivor = round(torch.log10(chunks[c][c][0]).item())  # rank r held 10**r
                 yours = int(fn(c, n))
                 if yours != survivor:
-                    return False, (f"n={n}: chunk {c} on its owner, rank {c}, holds only rank {survivor}'s "
-                                   f"data (10**{survivor}); you said rank {yours}")
+                    return False, (f"n={n}: chunk {c} on its owner, rank {c}, does not hold rank {yours}'s "
+                                   "data. Follow the chunk from the first rank that sends it: what is "
+                                   "left of a copy when the next receive overwrites it?")
         return True, "n = 2 … 6: every chunk holds one rank's data, and the all-gather copies it everywhere"
 
     return attempt(check, "broken_ring_survivor")
 
 
 EXERCISES: dict[str, Callable[[Callable], bool]] = {
-    "ring_bytes_per_rank": check_ring_bytes_per_rank,
     "reduce_scatter_schedule": check_reduce_scatter_schedule,
     "broken_ring_survivor": check_broken_ring_survivor,
 }
 
 WRONG: dict[str, Callable] = {
-    "ring_bytes_per_rank": lambda S, n: 2 * S / n,  # the article's "2 × (data_size / N)"
     "reduce_scatter_schedule": all_gather_chunks,  # a valid ring, but rank r ends owning chunk r+1
     "broken_ring_survivor": lambda c, n: c,  # the owner's own data: it is overwritten too
 }

@@ -3,11 +3,6 @@
 from __future__ import annotations
 
 
-def ring_bytes_per_rank(S: int, n: int) -> float:
-    """n-1 chunks of S/n in the reduce-scatter, n-1 more in the all-gather."""
-    return 2 * (n - 1) / n * S
-
-
 def reduce_scatter_schedule(rank: int, step: int, n: int) -> tuple[int, int]:
     """Send the partial you folded last (your own chunk r-1 at step 0); it is complete n-1 hops
     after it left its first sender, so chunk r must start at rank r+1."""

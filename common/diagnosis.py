@@ -6,7 +6,8 @@ A strategy bug moves whole tensors, and the way it moves them names the bug:
     got ≈ want / n            divided twice
     got = 0, want ≠ 0         the tensor's hook never fired, or its bucket was never reduced
     right at step 1 only      state left over from the previous step (ready flags, buffers)
-    right unless n ∤ length   uneven chunks: the last rank's piece is shorter
+    right unless n ∤ length   uneven chunks: the last rank's piece is shorter (worlds_pattern,
+                              uneven_pattern)
     got = one rank's own      never reduced at all (each rank kept its local gradient)
 
 `first_difference` finds the first tensor (in the reference's order) beyond the tolerance and
@@ -100,4 +101,17 @@ def worlds_pattern(failing: list[int], passing: list[int], length: int) -> str:
         return (f"right when the world size divides the length ({passing}), wrong otherwise "
                 f"({failing}): uneven chunks — the last chunks are shorter; compute each chunk's "
                 "start and size, do not assume length / n")
+    return ""
+
+
+def uneven_pattern(failing: list[tuple[int, int]], passing: list[tuple[int, int]], prefer: int) -> str:
+    """worlds_pattern over (world, length) cases: when every failing case is one the world size does
+    not divide, and the even ones pass; told for the length `prefer` (the reported one) if it shows."""
+    if not failing or any(length % world == 0 for world, length in failing):
+        return ""
+    for length in sorted({length for _, length in failing}, key=lambda length: (length != prefer, length)):
+        hint = worlds_pattern(sorted(w for w, other in failing if other == length),
+                              sorted(w for w, other in passing if other == length), length)
+        if hint:
+            return hint
     return ""

@@ -259,7 +259,15 @@ def grade_property(package: str, prop: Property, lab_path: str) -> Verdict:
             try:
                 results = pool.run(_on_rank, package, prop.name, lab_path, config, trace_dir,
                                    timeout=prop.timeout_s)
-            except RankTimeoutError:
+            except RankTimeoutError as error:
+                if error.errors:  # some ranks raised; the others waited for them in vain
+                    first = min(error.errors)
+                    return verdict("fail", f"rank {first} raised at world {world}: {error.errors[first]}",
+                                   "the other ranks then waited for its messages until the deadline",
+                                   _last_ops(trace_dir, world))
+                if "died" in str(error):  # gloo aborts a process whose receive gets the wrong size
+                    return verdict("hang", f"a rank died at world {world} (gloo aborts a receive "
+                                   "whose message has another size)", MISMATCH, _last_ops(trace_dir, world))
                 return verdict("hang", f"no answer within {prop.timeout_s:.0f} s at world {world}",
                                MISMATCH, _last_ops(trace_dir, world))
             except RankError as error:
@@ -270,13 +278,18 @@ def grade_property(package: str, prop: Property, lab_path: str) -> Verdict:
                                    MISMATCH, _last_ops(trace_dir, world))
                 first = min(error.errors)
                 return verdict("fail", f"rank {first} raised at world {world}: {error.errors[first]}",
-                               notes=_last_ops(trace_dir, world))
+                               notes=[] if prop.plan else _last_ops(trace_dir, world))
             finally:
                 pool.close(grace_s=0.0)  # the ranks are done: no need to wait for their exit
         if not prop.plan:
             runs.append((config, results[0]))
             continue
         ok, detail = _replay(results)
+        if not ok and "unmatched plan" in detail:
+            return verdict("deadlock", f"at world {world}: sends and receives do not pair up",
+                           "the k-th send from a to b meets b's k-th receive from a, and both must have "
+                           "the same size: sender and receiver disagree on what moves (which chunk, "
+                           "which peer, how many messages)", [detail])
         if not ok:
             return verdict("deadlock", f"at world {world}: would hang on NCCL",
                            "a send completes only when its receive runs in the peer's current group: "

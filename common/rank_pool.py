@@ -37,7 +37,12 @@ class RankError(AssertionError):
 
 
 class RankTimeoutError(AssertionError):
-    """Some rank did not answer in time (a hung collective or a dead process)."""
+    """Some rank did not answer in time (a hung collective or a dead process). `errors`: what the
+    ranks that did answer raised (rank → the exception's last line): often why the others wait."""
+
+    def __init__(self, message: str, errors: dict[int, str] | None = None):
+        super().__init__(message)
+        self.errors = errors or {}
 
 
 def _send(conn, obj) -> None:
@@ -133,7 +138,8 @@ class RankPool:
                 raise RankTimeoutError(
                     f"ranks {silent} of {self.world_size} did not {what} within "
                     f"{timeout if not errors else GRACE_S:.0f} s (a hung collective?); other "
-                    f"ranks' errors: {errors or 'none'}. The pool was killed and will be rebuilt."
+                    f"ranks' errors: {errors or 'none'}. The pool was killed and will be rebuilt.",
+                    errors,
                 )
         return replies
 

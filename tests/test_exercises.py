@@ -65,3 +65,12 @@ def test_the_notebook_calls_every_check_and_never_imports_the_solutions(director
     assert "solutions" not in source
     missing = [name for name in import_module(f"{package}.exercises").EXERCISES if name not in source]
     assert not missing, f"{directory}/lesson.ipynb never calls the check of {missing}"
+
+
+def test_ring_allreduce_a_wrong_answer_is_told_where_not_the_answer(capsys):
+    """Chapter 02: the ✗ of a wrong survivor names the failing chunk, not whose data survives."""
+    exercises = import_module("ring_allreduce.exercises")
+    solutions = import_module("ring_allreduce.solutions")
+    assert exercises.EXERCISES["broken_ring_survivor"](exercises.WRONG["broken_ring_survivor"]) is False
+    shown = capsys.readouterr().out
+    assert "n=2: chunk 0" in shown and f"rank {solutions.broken_ring_survivor(0, 2)}'s" not in shown, shown
