@@ -1,15 +1,14 @@
-"""Chapter 03's exercise solutions (lesson.ipynb never imports this file; tests/test_exercises.py does)."""
+"""Chapter 03's exercise solution (lesson.ipynb never imports this file; tests/test_exercises.py does)."""
 
 from __future__ import annotations
 
 
-def zero_bytes(stage: int, psi: int, n: int, b_p: int, b_g: int, k: float) -> float:
-    """Stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also the parameters."""
-    return (b_p * psi / (n if stage >= 3 else 1) + b_g * psi / (n if stage >= 2 else 1)
-            + k * psi / (n if stage >= 1 else 1))
-
-
-def owned_slice(numels: list[int], n: int, r: int) -> tuple[int, int]:
-    """The flat buffer is padded to n·s, s = ⌈Σ numels / n⌉; rank r owns [r·s, (r+1)·s)."""
-    s = -(-sum(numels) // n)
-    return r * s, (r + 1) * s
+def owned_elements(buckets: list[list[int]], n: int, r: int) -> int:
+    """Each bucket is padded to n·s on its own (s = ⌈its numel / n⌉) and rank r owns [r·s, (r+1)·s)
+    of it; the parameters fill [0, numel), so rank r steps the overlap of the two."""
+    total = 0
+    for bucket in buckets:
+        numel = sum(bucket)
+        s = -(-numel // n)
+        total += max(0, min((r + 1) * s, numel) - r * s)
+    return total

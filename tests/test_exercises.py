@@ -9,6 +9,7 @@ student is likely to make), which its check must reject.
 
 from __future__ import annotations
 
+import re
 from importlib import import_module
 
 import nbformat
@@ -74,3 +75,17 @@ def test_ring_allreduce_a_wrong_answer_is_told_where_not_the_answer(capsys):
     assert exercises.EXERCISES["broken_ring_survivor"](exercises.WRONG["broken_ring_survivor"]) is False
     shown = capsys.readouterr().out
     assert "n=2: chunk 0" in shown and f"rank {solutions.broken_ring_survivor(0, 2)}'s" not in shown, shown
+
+
+def test_zero_owned_elements_names_the_case_not_the_answer(capsys):
+    """Chapter 03: a wrong count is reported with its case and what is inconsistent about it (the
+    counts' sum against Ψ), never with the right count."""
+    from zero.exercises import CASES, EXERCISES, WRONG, engine_owned_elements
+
+    wrong = WRONG["owned_elements"]
+    buckets, n, r = next((b, n, r) for b in CASES for n in (1, 2, 3, 4, 7) for r in range(n)
+                         if wrong(b, n, r) != engine_owned_elements(b, n, r))
+    assert EXERCISES["owned_elements"](wrong) is False
+    verdict = capsys.readouterr().out.split(f"rank {r}: ", 1)[1]
+    assert verdict.startswith(f"yours {wrong(buckets, n, r):,}")
+    assert not re.search(rf"\b{engine_owned_elements(buckets, n, r):,}\b", verdict), verdict
