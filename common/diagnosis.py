@@ -58,7 +58,7 @@ def first_difference(got: dict[str, torch.Tensor | None], want: dict[str, torch.
             shapes = f"shape {list(g.shape)}, expected {list(w.shape)}"
             return Finding(f"{name} ({shapes})", float("inf"), None, False)
         rel = relative_diff({name: g}, {name: w}, "max") if w.abs().max() > 0 else float(g.abs().max())
-        if rel > tolerance:
+        if not rel <= tolerance:  # nan is a difference too
             norm = float((w * w).sum())
             scale = float((g * w).sum()) / norm if norm > 0 else None
             return Finding(name, rel, scale, bool(g.abs().max() == 0 and w.abs().max() > 0))
