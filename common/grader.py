@@ -258,9 +258,33 @@ def _replay(records: list[dict]) -> tuple[bool, str]:
     return True, f"{groups} send/recv groups on {len(plans)} communicator(s) replay to the end"
 
 
-def grade_property(package: str, prop: Property, lab_path: str) -> Verdict:
+class Pools:
+    """One job of each world size for a whole grading, reused property after property (a job
+    costs ~1 s to start and stop on 2 cores); a job that failed is dropped and the next use starts
+    a fresh one, so a broken or hung lab cannot leak into the next property."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[int, RankPool] = {}
+
+    def __call__(self, world: int) -> RankPool:
+        if world not in self.jobs or self.jobs[world].broken:
+            self.jobs[world] = RankPool(world)
+        return self.jobs[world]
+
+    def drop(self, world: int) -> None:
+        if world in self.jobs:
+            self.jobs.pop(world).close(grace_s=CLOSE_GRACE_S)
+
+    def close(self) -> None:
+        for world in list(self.jobs):
+            self.drop(world)
+
+
+def grade_property(package: str, prop: Property, lab_path: str, pools: Pools | None = None) -> Verdict:
     """Run `prop` on each of its configs; the first failure decides the verdict."""
     start, runs = time.perf_counter(), []
+    own = pools is None
+    pools = pools or Pools()
 
     def verdict(status: str, detail: str, hint: str = "", notes: list[str] | None = None) -> Verdict:
         return Verdict(prop.name, status, detail, hint, time.perf_counter() - start, notes or [])
@@ -268,7 +292,7 @@ def grade_property(package: str, prop: Property, lab_path: str) -> Verdict:
     for config in prop.configs:
         world = config["world"]
         with tempfile.TemporaryDirectory(prefix="pfs-lab-") as trace_dir:
-            pool = RankPool(world)
+            pool, ok = pools(world), False
             try:
                 results = pool.run(_on_rank, package, prop.name, lab_path, config, trace_dir,
                                    timeout=prop.timeout_s)
@@ -292,8 +316,11 @@ def grade_property(package: str, prop: Property, lab_path: str) -> Verdict:
                 first = min(error.errors)
                 return verdict("fail", f"rank {first} raised at world {world}: {error.errors[first]}",
                                notes=[] if prop.plan else _last_ops(trace_dir, world))
+            else:
+                ok = True
             finally:
-                pool.close(grace_s=CLOSE_GRACE_S)
+                if own or not ok:
+                    pools.drop(world)
         if not prop.plan:
             runs.append((config, results[0]))
             continue
@@ -329,13 +356,28 @@ def grade(chapter: int, path: str | Path | None = None, solution: bool = False,
     folder = Path(lab_check.__file__).parent
     lab_path = str(Path(path) if path else folder / ("lab_solution.py" if solution else "lab.py"))
     out(f"lab {chapter:02d} · {lab_check.TITLE} · grading {os.path.relpath(lab_path)}")
+    pools = Pools()
+    try:
+        verdicts = _grade_all(lab_check, package, lab_path, only, out, pools)
+    finally:
+        pools.close()
+    passed = sum(v.passed for v in verdicts if not v.optional)
+    extra = [v for v in verdicts if v.optional]
+    extras = f"; optional: {sum(v.passed for v in extra)}/{len(extra)} pass" if extra else ""
+    out(f"{passed}/{len(verdicts) - len(extra)} properties pass{extras} "
+        f"({sum(v.seconds for v in verdicts):.1f} s)")
+    return verdicts
+
+
+def _grade_all(lab_check: ModuleType, package: str, lab_path: str, only: str | None,
+               out: Callable[[str], None], pools: Pools) -> list[Verdict]:
     verdicts: list[Verdict] = []
     stop = ""
     for prop in lab_check.PROPERTIES:
         if only is not None and only not in prop.name:
             continue
         verdict = (Verdict(prop.name, "skipped", stop) if stop
-                   else grade_property(package, prop, lab_path))
+                   else grade_property(package, prop, lab_path, pools))
         verdict.optional = prop.optional
         if verdict.status == "todo" and not prop.optional:
             stop = "not run: write what is not implemented first"
@@ -346,11 +388,6 @@ def grade(chapter: int, path: str | Path | None = None, solution: bool = False,
         verdicts.append(verdict)
         for line in verdict.lines():
             out(line)
-    passed = sum(v.passed for v in verdicts if not v.optional)
-    extra = [v for v in verdicts if v.optional]
-    extras = f"; optional: {sum(v.passed for v in extra)}/{len(extra)} pass" if extra else ""
-    out(f"{passed}/{len(verdicts) - len(extra)} properties pass{extras} "
-        f"({sum(v.seconds for v in verdicts):.1f} s)")
     return verdicts
 
 
