@@ -13,6 +13,8 @@ rank 0 brought back against one device, in the grader's process:
         hint: what that symptom usually means
     ⏱ name                                   no answer within the deadline
         rank r: the last collective or send/recv it posted
+    ✗ name                                   rank r died: its process ended without an exception
+        rank r: the last collective or send/recv it posted
 
 No run hangs: every job has a deadline, and each rank writes every collective and send/recv it
 posts to a trace file first, so a hang is reported per rank. Labs with point-to-point code run the
@@ -28,6 +30,7 @@ import argparse
 import importlib
 import importlib.util
 import os
+import re
 import sys
 import tempfile
 import time
@@ -56,6 +59,9 @@ TRACED = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "reduce_s
 MISMATCH = ("the ranks posted different collectives (a rank waits in one its peers never post, or "
             "they disagree on its size): every rank must post the same collectives, same sizes, same order")
 GLOO_MISMATCH = ("doesn't match expected size", "Connection reset by peer", "Connection closed by peer")
+DIED = ("a process that ends without a Python exception: os._exit, or an abort or segfault inside a "
+        "torch op or gloo; the lines above show how far each rank got")
+P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 
 # --- a property and its verdict ---------------------------------------------------------------
@@ -205,6 +211,44 @@ def _last_ops(trace_dir: str, world: int) -> list[str]:
     return out
 
 
+def _traces(trace_dir: str, world: int) -> list[list[str]]:
+    """Per rank, every collective and send/recv it posted, in order."""
+    paths = [Path(trace_dir) / f"rank{rank}" for rank in range(world)]
+    return [path.read_text().splitlines() if path.exists() else [] for path in paths]
+
+
+def _diverging(traces: list[list[str]], world: int) -> str | None:
+    """The first collective on the whole group that the ranks posted differently (another op or
+    size), or None when each rank's collectives are a prefix of the others' (a rank that stopped
+    early). Sends and receives, and collectives on subgroups, differ by design: not compared."""
+    def whole(line: str) -> bool:
+        return line.split("(")[0] not in P2P and all(
+            int(n) == world for n in re.findall(r"group of (\d+)", line))
+
+    ops = [[line for line in lines if whole(line)] for lines in traces]
+    for k in range(max(map(len, ops), default=0)):
+        posted = {rank: mine[k] for rank, mine in enumerate(ops) if k < len(mine)}
+        if len(set(posted.values())) > 1:
+            return f"collective {k + 1} differs: " + ", ".join(f"rank {r} posted {op}"
+                                                                for r, op in posted.items())
+    return None
+
+
+def _died(error: RankTimeoutError, trace_dir: str, world: int) -> tuple[str, str, str, list[str]] | None:
+    """A rank whose process died: a crash ("fail"), or "hang" where the trace shows the ranks
+    posted mismatched collectives (gloo may abort on those). None when no rank died."""
+    if (dead := re.search(r"rank (\d+) of \d+ died", str(error))) is None:
+        return None
+    traces, notes = _traces(trace_dir, world), _last_ops(trace_dir, world)
+    if (diverging := _diverging(traces, world)) is not None:
+        return "hang", f"rank {dead[1]} died at world {world} after mismatched collectives", MISMATCH, \
+            [diverging, *notes]
+    p2p = any(line.split("(")[0] in P2P for lines in traces for line in lines)
+    hint = DIED + ("; with send/recv: gloo aborts a process whose receive gets a message of another "
+                   "size (sender and receiver must agree on every message's size)" if p2p else "")
+    return "fail", f"rank {dead[1]} died at world {world} (a crash in native code or os._exit)", hint, notes
+
+
 def _not_implemented(error: RankError) -> str | None:
     """The message of a NotImplementedError some rank raised, or None."""
     for last in error.errors.values():
@@ -237,7 +281,9 @@ def grade_property(package: str, prop: Property, lab_path: str) -> Verdict:
             try:
                 results = pool.run(_on_rank, package, prop.name, lab_path, config, trace_dir,
                                    timeout=prop.timeout_s)
-            except RankTimeoutError:
+            except RankTimeoutError as error:
+                if (died := _died(error, trace_dir, world)) is not None:
+                    return verdict(*died)
                 return verdict("hang", f"no answer within {prop.timeout_s:.0f} s at world {world}",
                                MISMATCH, _last_ops(trace_dir, world))
             except RankError as error:
