@@ -220,9 +220,10 @@ def _traces(trace_dir: str, world: int) -> list[list[str]]:
 def _diverging(traces: list[list[str]], world: int) -> str | None:
     """The first collective on the whole group that the ranks posted differently (another op or
     size), or None when each rank's collectives are a prefix of the others' (a rank that stopped
-    early). Sends and receives, and collectives on subgroups, differ by design: not compared."""
+    early). Sends and receives, all_to_all_single (its splits may differ) and collectives on
+    subgroups differ by design: not compared."""
     def whole(line: str) -> bool:
-        return line.split("(")[0] not in P2P and all(
+        return line.split("(")[0] not in (*P2P, "all_to_all_single") and all(
             int(n) == world for n in re.findall(r"group of (\d+)", line))
 
     ops = [[line for line in lines if whole(line)] for lines in traces]
@@ -234,15 +235,21 @@ def _diverging(traces: list[list[str]], world: int) -> str | None:
     return None
 
 
+def _hang_notes(trace_dir: str, world: int) -> list[str]:
+    """Under a hang: the first collective the ranks posted differently, if any, then each rank's last."""
+    diverging = _diverging(_traces(trace_dir, world), world)
+    return [diverging] * (diverging is not None) + _last_ops(trace_dir, world)
+
+
 def _died(error: RankTimeoutError, trace_dir: str, world: int) -> tuple[str, str, str, list[str]] | None:
     """A rank whose process died: a crash ("fail"), or "hang" where the trace shows the ranks
     posted mismatched collectives (gloo may abort on those). None when no rank died."""
     if (dead := re.search(r"rank (\d+) of \d+ died", str(error))) is None:
         return None
     traces, notes = _traces(trace_dir, world), _last_ops(trace_dir, world)
-    if (diverging := _diverging(traces, world)) is not None:
+    if _diverging(traces, world) is not None:
         return "hang", f"rank {dead[1]} died at world {world} after mismatched collectives", MISMATCH, \
-            [diverging, *notes]
+            _hang_notes(trace_dir, world)
     p2p = any(line.split("(")[0] in P2P for lines in traces for line in lines)
     hint = DIED + ("; with send/recv: gloo aborts a process whose receive gets a message of another "
                    "size (sender and receiver must agree on every message's size)" if p2p else "")
@@ -285,13 +292,13 @@ def grade_property(package: str, prop: Property, lab_path: str) -> Verdict:
                 if (died := _died(error, trace_dir, world)) is not None:
                     return verdict(*died)
                 return verdict("hang", f"no answer within {prop.timeout_s:.0f} s at world {world}",
-                               MISMATCH, _last_ops(trace_dir, world))
+                               MISMATCH, _hang_notes(trace_dir, world))
             except RankError as error:
                 if (todo := _not_implemented(error)) is not None:
                     return verdict("todo", f"not implemented: {todo}")
                 if any(sign in e for e in error.errors.values() for sign in GLOO_MISMATCH):
                     return verdict("hang", f"gloo aborted a mismatched collective at world {world}",
-                                   MISMATCH, _last_ops(trace_dir, world))
+                                   MISMATCH, _hang_notes(trace_dir, world))
                 first = min(error.errors)
                 return verdict("fail", f"rank {first} raised at world {world}: {error.errors[first]}",
                                notes=_last_ops(trace_dir, world))
