@@ -57,9 +57,19 @@ def check_layouts(runs) -> tuple[bool, str, str]:
         else:
             hint = ("cut when adding the next parameter would pass the cap (not after it passed); "
                     "a parameter larger than the cap gets a bucket of its own")
-        return False, f"cap {cap:g} B: {len(got[cap])} buckets {[len(b) for b in got[cap]]}, " \
-                      f"expected {len(buckets)} {[len(b) for b in buckets]}", hint
+        sizes, expected = [len(b) for b in got[cap]], [len(b) for b in buckets]
+        if sizes != expected:
+            return False, f"cap {cap:g} B: {len(sizes)} buckets {sizes}, " \
+                          f"expected {len(expected)} {expected}", hint
+        i = next(i for i, (g, w) in enumerate(zip(got[cap], buckets, strict=True)) if g != w)
+        return False, f"cap {cap:g} B: bucket {i} holds {_members(got[cap][i])}, " \
+                      f"expected {_members(buckets[i])}", hint
     return True, f"{sum(len(b) for b in want.values())} buckets at 4 caps, as expected", ""
+
+
+def _members(bucket: list[str]) -> str:
+    """A bucket's parameter names; a long one by its first and last."""
+    return str(bucket) if len(bucket) <= 3 else f"[{bucket[0]}, … {len(bucket) - 2} more …, {bucket[-1]}]"
 
 
 def train(lab, world: int, steps: int = 1, optimizer: str = "sgd", micro: int = 1) -> dict:
@@ -133,12 +143,14 @@ def check_overlap(runs) -> tuple[bool, str, str]:
     if launched != got["buckets"]:
         return False, f"{launched} all-reduces for {got['buckets']} buckets in one backward", \
             "one all-reduce per bucket per backward: launch a bucket exactly when its last gradient arrives"
-    last_grad = len(kinds) - 1 - kinds[::-1].index("grad")
-    if kinds.index("all_reduce") > last_grad:
+    first = kinds.index("all_reduce")
+    if "grad" not in kinds[first:]:
         return False, "every all-reduce was posted after backward's last gradient", \
             "launch each bucket from the hook as soon as it is full (async_op=True), not at the end"
-    return True, f"{launched} all-reduces, the first posted with {last_grad - kinds.index('all_reduce')} " \
-                 "gradients still to come", ""
+    # the hook that launched it ran just before the grader's own hook on the same parameter
+    to_come = kinds[first:].count("grad") - 1
+    return True, f"{launched} all-reduces, the first posted with {to_come} of " \
+                 f"{kinds.count('grad')} gradients still to come", ""
 
 
 PROPERTIES = [

@@ -13,6 +13,8 @@ rank 0 brought back against one device, in the grader's process:
         hint: what that symptom usually means
     ⏱ name                                   no answer within the deadline
         rank r: the last collective or send/recv it posted
+    ✗ name                                   rank r died: its process ended without an exception
+        rank r: the last collective or send/recv it posted
     · (optional) name                        an extra part not written yet: reported, never failing
 
 No run hangs: every job has a deadline, and each rank writes every collective and send/recv it
@@ -29,35 +31,32 @@ import argparse
 import importlib
 import importlib.util
 import os
+import re
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
-from common.p2p_plan import P2PRecorder, find_deadlock, plan_from_records
+from common.lab_rank import _on_rank
+from common.p2p_plan import find_deadlock, plan_from_records
 from common.rank_pool import RankError, RankPool, RankTimeoutError
 
 PACKAGES = {1: "data_parallel", 2: "ring_allreduce", 3: "zero", 4: "fsdp", 5: "tensor_parallel",
             6: "pipeline", 7: "parallel3d"}
 TIMEOUT_S = float(os.environ.get("PFS_LAB_TIMEOUT", 20))
 CLOSE_GRACE_S = 0.2  # a graded job's ranks are not reused: killed if still tearing down (~1 s each)
-TRACED = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
-          "reduce_scatter_single", "all_to_all_single", "broadcast", "barrier", "all_gather",
-          "gather", "scatter", "send", "recv", "isend", "irecv", "batch_isend_irecv")
-
-
 MISMATCH = ("the ranks posted different collectives (a rank waits in one its peers never post, or "
             "they disagree on its size): every rank must post the same collectives, same sizes, same order")
 GLOO_MISMATCH = ("doesn't match expected size", "Connection reset by peer", "Connection closed by peer")
+DIED = ("a process that ends without a Python exception: os._exit, or an abort or segfault inside a "
+        "torch op or gloo; the lines above show how far each rank got")
+P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 
 # --- a property and its verdict ---------------------------------------------------------------
@@ -112,121 +111,6 @@ class Verdict:
         return out
 
 
-# --- what runs on each rank --------------------------------------------------------------------
-
-def load_lab(path: str | Path) -> ModuleType:
-    """The student's file as a module of its own (not a package member: it is theirs to move)."""
-    path = Path(path).resolve()
-    spec = importlib.util.spec_from_file_location(f"lab_under_test_{abs(hash(str(path)))}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _describe(args: tuple, kwargs: dict) -> str:
-    parts = []
-    for a in [*args, *kwargs.values()]:
-        if isinstance(a, torch.Tensor):
-            parts.append(f"{str(a.dtype).removeprefix('torch.')}{list(a.shape)}")
-        elif isinstance(a, (list, tuple)) and a and hasattr(a[0], "peer"):  # P2POps
-            parts.append(", ".join(f"{getattr(o.op, '__name__', '?')}(peer {o.peer})" for o in a))
-        elif isinstance(a, int) and not isinstance(a, bool):
-            parts.append(str(a))
-        elif isinstance(a, dist.ProcessGroup):
-            parts.append(f"group of {dist.get_world_size(a)}")
-    return ", ".join(parts)
-
-
-@contextmanager
-def trace_ops(path: str):
-    """Append each collective / send / recv this rank posts to `path` before it runs (the last
-    line is what a hung rank waits in). Wraps torch.distributed from the outside, like the meter."""
-    originals = [(m, n, getattr(m, n)) for n in TRACED for m in (dist, c10d) if hasattr(m, n)]
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-
-    def traced(name: str, fn):
-        def call(*args, **kwargs):
-            os.write(fd, f"{name}({_describe(args, kwargs)})\n".encode())
-            return fn(*args, **kwargs)
-        call.__name__ = fn.__name__
-        return call
-
-    wrapped = {}
-    for module, name, fn in originals:
-        wrapped.setdefault(name, traced(name, fn))
-        setattr(module, name, wrapped[name])
-    try:
-        yield
-    finally:
-        for module, name, fn in originals:
-            setattr(module, name, fn)
-        os.close(fd)
-
-
-class _Done:
-    """A finished Work: what a send or receive returns when nothing is moved."""
-
-    def wait(self, *_) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
-@contextmanager
-def record_p2p_plan():
-    """Run point-to-point code without moving data: sends and receives are recorded (per
-    communicator, in issue order, as P2PRecorder does) and return finished works. Yields the
-    recorder; its `groups` are this rank's part of the plan."""
-    def isend(*args, **kwargs) -> _Done:  # named: the recorder tells a P2POp's kind by __name__
-        return _Done()
-
-    def irecv(*args, **kwargs) -> _Done:
-        return _Done()
-
-    stubs = {"batch_isend_irecv": lambda ops: [_Done() for _ in ops], "isend": isend, "irecv": irecv}
-    saved = [(m, n, getattr(m, n)) for n in stubs for m in (dist, c10d)]
-    for module, name, _ in saved:
-        setattr(module, name, stubs[name])
-    try:
-        with P2PRecorder() as recorder:
-            yield recorder
-    finally:
-        for module, name, fn in saved:
-            setattr(module, name, fn)
-
-
-def _on_rank(package: str, prop_name: str, lab_path: str, config: dict, trace_dir: str) -> Any:
-    """One rank's part of one property: trace, load the lab, run."""
-    prop = property_named(package, prop_name)
-    with trace_ops(os.path.join(trace_dir, f"rank{dist.get_rank()}")):
-        lab = load_lab(lab_path)
-        if not prop.plan:
-            return prop.run(lab, **config)
-        with record_p2p_plan() as recorder:
-            described = prop.run(lab, **config)
-        return _labelled(dict(recorder.groups), described)
-
-
-def _labelled(groups: dict, described: Any) -> dict:
-    """The recorded groups with each op's label taken from the run's own description of what it
-    posted ([[(kind, global peer, label), ...] per group, in order], or None), on the
-    communicator where the two agree op for op: a deadlock report then says what each op carries."""
-    if not described:
-        return groups
-    for ranks, posted in groups.items():
-        if len(posted) == len(described) and all(
-                [(op.kind, op.peer) for op in group] == [(kind, peer) for kind, peer, _ in ops]
-                for group, ops in zip(posted, described, strict=True)):
-            groups[ranks] = [tuple(replace(op, label=name) for op, (*_, name) in zip(group, ops, strict=True))
-                             for group, ops in zip(posted, described, strict=True)]
-    return groups
-
-
-def property_named(package: str, name: str) -> Property:
-    return next(p for p in importlib.import_module(f"{package}.lab_check").PROPERTIES if p.name == name)
-
-
 # --- the grader's side -------------------------------------------------------------------------
 
 def _last_ops(trace_dir: str, world: int) -> list[str]:
@@ -238,6 +122,51 @@ def _last_ops(trace_dir: str, world: int) -> list[str]:
         out.append(f"rank {rank}: last posted {lines[-1]} ({len(lines)} calls in all)" if lines
                    else f"rank {rank}: posted no collective or send/recv")
     return out
+
+
+def _traces(trace_dir: str, world: int) -> list[list[str]]:
+    """Per rank, every collective and send/recv it posted, in order."""
+    paths = [Path(trace_dir) / f"rank{rank}" for rank in range(world)]
+    return [path.read_text().splitlines() if path.exists() else [] for path in paths]
+
+
+def _diverging(traces: list[list[str]], world: int) -> str | None:
+    """The first collective on the whole group that the ranks posted differently (another op or
+    size), or None when each rank's collectives are a prefix of the others' (a rank that stopped
+    early). Sends and receives, all_to_all_single (its splits may differ) and collectives on
+    subgroups differ by design: not compared."""
+    def whole(line: str) -> bool:
+        return line.split("(")[0] not in (*P2P, "all_to_all_single") and all(
+            int(n) == world for n in re.findall(r"group of (\d+)", line))
+
+    ops = [[line for line in lines if whole(line)] for lines in traces]
+    for k in range(max(map(len, ops), default=0)):
+        posted = {rank: mine[k] for rank, mine in enumerate(ops) if k < len(mine)}
+        if len(set(posted.values())) > 1:
+            return f"collective {k + 1} differs: " + ", ".join(f"rank {r} posted {op}"
+                                                                for r, op in posted.items())
+    return None
+
+
+def _hang_notes(trace_dir: str, world: int) -> list[str]:
+    """Under a hang: the first collective the ranks posted differently, if any, then each rank's last."""
+    diverging = _diverging(_traces(trace_dir, world), world)
+    return [diverging] * (diverging is not None) + _last_ops(trace_dir, world)
+
+
+def _died(error: RankTimeoutError, trace_dir: str, world: int) -> tuple[str, str, str, list[str]] | None:
+    """A rank whose process died: a crash ("fail"), or "hang" where the trace shows the ranks
+    posted mismatched collectives (gloo may abort on those). None when no rank died."""
+    if (dead := re.search(r"rank (\d+) of \d+ died", str(error))) is None:
+        return None
+    traces, notes = _traces(trace_dir, world), _last_ops(trace_dir, world)
+    if _diverging(traces, world) is not None:
+        return "hang", f"rank {dead[1]} died at world {world} after mismatched collectives", MISMATCH, \
+            _hang_notes(trace_dir, world)
+    p2p = any(line.split("(")[0] in P2P for lines in traces for line in lines)
+    hint = DIED + ("; with send/recv: gloo aborts a process whose receive gets a message of another "
+                   "size (sender and receiver must agree on every message's size)" if p2p else "")
+    return "fail", f"rank {dead[1]} died at world {world} (a crash in native code or os._exit)", hint, notes
 
 
 def _not_implemented(error: RankError) -> str | None:
@@ -302,17 +231,16 @@ def grade_property(package: str, prop: Property, lab_path: str, pools: Pools | N
                     return verdict("fail", f"rank {first} raised at world {world}: {error.errors[first]}",
                                    "the other ranks then waited for its messages until the deadline",
                                    _last_ops(trace_dir, world))
-                if "died" in str(error):  # gloo aborts a process whose receive gets the wrong size
-                    return verdict("hang", f"a rank died at world {world} (gloo aborts a receive "
-                                   "whose message has another size)", MISMATCH, _last_ops(trace_dir, world))
+                if (died := _died(error, trace_dir, world)) is not None:
+                    return verdict(*died)
                 return verdict("hang", f"no answer within {prop.timeout_s:.0f} s at world {world}",
-                               MISMATCH, _last_ops(trace_dir, world))
+                               MISMATCH, _hang_notes(trace_dir, world))
             except RankError as error:
                 if (todo := _not_implemented(error)) is not None:
                     return verdict("todo", f"not implemented: {todo}")
                 if any(sign in e for e in error.errors.values() for sign in GLOO_MISMATCH):
                     return verdict("hang", f"gloo aborted a mismatched collective at world {world}",
-                                   MISMATCH, _last_ops(trace_dir, world))
+                                   MISMATCH, _hang_notes(trace_dir, world))
                 first = min(error.errors)
                 return verdict("fail", f"rank {first} raised at world {world}: {error.errors[first]}",
                                notes=[] if prop.plan else _last_ops(trace_dir, world))

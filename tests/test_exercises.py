@@ -58,6 +58,19 @@ def test_a_plausible_wrong_answer_fails(package, name):
     assert _check(package, name)(import_module(f"{package}.exercises").WRONG[name]) is False
 
 
+@pytest.mark.parametrize("wrong", [lambda n: float(n), lambda n: 1.0, lambda n: 2.0 * (n - 1),
+                                   lambda n: (n - 1) / n, lambda n: n - 0.5])
+def test_data_parallel_a_wrong_prediction_is_told_how_it_misses_not_the_figure(wrong, capsys):
+    """Chapter 01: the ✗ says too large, too small or the wrong quantity; no number in it (the
+    n it names aside) is a figure the simulation measured."""
+    exercises = import_module("data_parallel.exercises")
+    measured = [exercises.measured_error_without_1_over_n(n) for n in (2, 3, 4, 8)]
+    assert exercises.EXERCISES["grad_error_without_1_over_n"](wrong) is False
+    shown = capsys.readouterr().out.split("grad_error_without_1_over_n: ", 1)[1]
+    numbers = [float(x) for x in re.findall(r"\d+(?:\.\d+)?", re.sub(r"n=\d+", "", shown))]
+    assert not [x for x in numbers if any(abs(x - m) < 1e-3 * m for m in measured)], shown
+
+
 @pytest.mark.parametrize("directory", PACKAGES)
 def test_the_notebook_calls_every_check_and_never_imports_the_solutions(directory):
     package = PACKAGES[directory]

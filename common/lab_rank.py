@@ -1,0 +1,142 @@
+"""The labs' grader, on each rank: the student's file loaded as a module, every collective and
+send/recv traced before it runs, and point-to-point code run without moving data to record its plan.
+
+`_on_rank` is what common/grader.py sends to every rank of a job for one property.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from common.p2p_plan import P2PRecorder
+
+TRACED = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
+          "reduce_scatter_single", "all_to_all_single", "broadcast", "barrier", "all_gather",
+          "gather", "scatter", "send", "recv", "isend", "irecv", "batch_isend_irecv")
+
+
+
+def load_lab(path: str | Path) -> ModuleType:
+    """The student's file as a module of its own (not a package member: it is theirs to move)."""
+    path = Path(path).resolve()
+    spec = importlib.util.spec_from_file_location(f"lab_under_test_{abs(hash(str(path)))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _describe(args: tuple, kwargs: dict) -> str:
+    parts = []
+    for a in [*args, *kwargs.values()]:
+        if isinstance(a, torch.Tensor):
+            parts.append(f"{str(a.dtype).removeprefix('torch.')}{list(a.shape)}")
+        elif isinstance(a, (list, tuple)) and a and hasattr(a[0], "peer"):  # P2POps
+            parts.append(", ".join(f"{getattr(o.op, '__name__', '?')}(peer {o.peer})" for o in a))
+        elif isinstance(a, int) and not isinstance(a, bool):
+            parts.append(str(a))
+        elif isinstance(a, dist.ProcessGroup):
+            parts.append(f"group of {dist.get_world_size(a)}")
+    return ", ".join(parts)
+
+
+@contextmanager
+def trace_ops(path: str):
+    """Append each collective / send / recv this rank posts to `path` before it runs (the last
+    line is what a hung rank waits in). Wraps torch.distributed from the outside, like the meter."""
+    originals = [(m, n, getattr(m, n)) for n in TRACED for m in (dist, c10d) if hasattr(m, n)]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def traced(name: str, fn):
+        def call(*args, **kwargs):
+            os.write(fd, f"{name}({_describe(args, kwargs)})\n".encode())
+            return fn(*args, **kwargs)
+        call.__name__ = fn.__name__
+        return call
+
+    wrapped = {}
+    for module, name, fn in originals:
+        wrapped.setdefault(name, traced(name, fn))
+        setattr(module, name, wrapped[name])
+    try:
+        yield
+    finally:
+        for module, name, fn in originals:
+            setattr(module, name, fn)
+        os.close(fd)
+
+
+class _Done:
+    """A finished Work: what a send or receive returns when nothing is moved."""
+
+    def wait(self, *_) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+@contextmanager
+def record_p2p_plan():
+    """Run point-to-point code without moving data: sends and receives are recorded (per
+    communicator, in issue order, as P2PRecorder does) and return finished works. Yields the
+    recorder; its `groups` are this rank's part of the plan."""
+    def isend(*args, **kwargs) -> _Done:  # named: the recorder tells a P2POp's kind by __name__
+        return _Done()
+
+    def irecv(*args, **kwargs) -> _Done:
+        return _Done()
+
+    stubs = {"batch_isend_irecv": lambda ops: [_Done() for _ in ops], "isend": isend, "irecv": irecv}
+    saved = [(m, n, getattr(m, n)) for n in stubs for m in (dist, c10d)]
+    for module, name, _ in saved:
+        setattr(module, name, stubs[name])
+    try:
+        with P2PRecorder() as recorder:
+            yield recorder
+    finally:
+        for module, name, fn in saved:
+            setattr(module, name, fn)
+
+
+def _on_rank(package: str, prop_name: str, lab_path: str, config: dict, trace_dir: str) -> Any:
+    """One rank's part of one property: trace, load the lab, run."""
+    prop = property_named(package, prop_name)
+    with trace_ops(os.path.join(trace_dir, f"rank{dist.get_rank()}")):
+        lab = load_lab(lab_path)
+        if not prop.plan:
+            return prop.run(lab, **config)
+        with record_p2p_plan() as recorder:
+            described = prop.run(lab, **config)
+        return _labelled(dict(recorder.groups), described)
+
+
+def _labelled(groups: dict, described: Any) -> dict:
+    """The recorded groups with each op's label taken from the run's own description of what it
+    posted ([[(kind, global peer, label), ...] per group, in order], or None), on the
+    communicator where the two agree op for op: a deadlock report then says what each op carries."""
+    if not described:
+        return groups
+    for ranks, posted in groups.items():
+        if len(posted) == len(described) and all(
+                [(op.kind, op.peer) for op in group] == [(kind, peer) for kind, peer, _ in ops]
+                for group, ops in zip(posted, described, strict=True)):
+            groups[ranks] = [tuple(replace(op, label=name) for op, (*_, name) in zip(group, ops, strict=True))
+                             for group, ops in zip(posted, described, strict=True)]
+    return groups
+
+
+def property_named(package: str, name: str):
+    return next(p for p in importlib.import_module(f"{package}.lab_check").PROPERTIES if p.name == name)
+
+
