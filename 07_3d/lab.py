@@ -13,7 +13,7 @@ torchtitan's order, each step one call of a chapter's public piece:
                   vocabulary of the embedding and head); returns {name: TPShard} per chunk
     CP    (05)  → only when mesh.cp > 1: every attention of every chunk through the ring
     FSDP  (04)  → each chunk flat-sharded over the ranks that hold the same (pp, tp) piece
-                  (the dp × cp ranks: CP ranks see other tokens of the same rows), one unit per
+                  (which of the mesh's groups is that, when cp > 1?), one unit per
                   TransformerBlock, materialized from the seed only where this rank's shard falls
 
     a rank holds 1/(dp·cp) of its TP piece of its stages' tensors, and nothing else.
@@ -33,7 +33,7 @@ clip_grad_norm_3d: they are what you are writing):
 - `pipeline.split_model(model, p, v, rank)` → [LlamaChunk]; a chunk's parameter names are the
   reference model's (`layers.2.attention.wq.weight`).
 - `tensor_parallel.parallelize_llama(chunk, tp_group)` → {name: TPShard}, in place;
-  `spec.copies` (ranks holding the same piece), `spec.counted_here`;
+  `spec.copies`: how many consecutive TP ranks hold the same piece (1: a piece of its own);
   `tensor_parallel.local_piece(full, spec)` → this rank's piece of a full tensor.
 - `tensor_parallel.apply_context_parallel(chunk, cp_group)`, in place.
 - `fsdp.FSDP(chunk, process_group=…, auto_wrap_policy=fsdp.ModuleWrapPolicy({TransformerBlock}),
@@ -71,7 +71,7 @@ def parallelize(model: Llama, mesh: ParallelMesh, device: torch.device, seed: in
     TPShard of every reference parameter they hold. `model` is on the meta device; the chunks'
     shards hold the values of `initializer(model.cfg, seed)`, cut to this rank's pieces."""
     raise NotImplementedError("parallelize: split_model → parallelize_llama per chunk → "
-                              "apply_context_parallel (cp > 1) → FSDP over mesh.dp_cp_group")
+                              "apply_context_parallel (cp > 1) → FSDP per chunk")
 
 
 def clip_global_norm(chunks: list[FSDP], tp_specs: dict[str, TPShard], mesh: ParallelMesh,
