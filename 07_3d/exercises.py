@@ -1,14 +1,14 @@
-"""Chapter 07's exercises: the checks that lesson.ipynb calls on the student's functions.
+"""Chapter 07's exercise: the check that lesson.ipynb calls on the student's function.
 
-Each check prints ✓ or ✗ with the figure that decided and returns a bool; it never raises (a
-stub's NotImplementedError prints "✗ not solved yet"). Both run in one process, against the code
-the trainer and the planner run: `mesh.coordinates` and `memory_model.parameters_per_gpu`.
+The check prints ✓ or ✗ with the figure that decided and returns a bool; it never raises (a
+stub's NotImplementedError prints "✗ not solved yet"). It runs in one process, against the code
+the planner runs (`memory_model.parameters_per_gpu`), and on a wrong answer says which layout
+and which way it is off, never the number to hit.
 
-    rank_of(pp_rank, dp_rank, tp_rank, pp, dp, tp)   the global rank of mesh coordinates, TP
-                                                     innermost, then DP, PP outermost:
-                                                     rank = (pp_rank·dp + dp_rank)·tp + tp_rank
-    params_per_gpu(cfg, tp, pp)                      ψ, the parameters on one GPU of the heaviest
-                                                     pipeline stage, TP-split (norms whole)
+    params_per_gpu(cfg, tp, pp)      ψ, the parameters on one GPU of the heaviest pipeline stage
+
+(The mesh's rank formula is printed in the README, so it is no exercise; composing the mesh's
+pieces is the lab: lab.py, `grade(7)`.)
 """
 
 from __future__ import annotations
@@ -18,50 +18,43 @@ from collections.abc import Callable
 from common.exercise import attempt
 from common.model import CONFIGS
 from parallel3d.memory_model import parameters_per_gpu
-from parallel3d.mesh import coordinates
 
-MESHES = [(2, 2, 2), (1, 4, 2), (4, 2, 1), (2, 3, 4), (3, 1, 2)]  # (dp, pp, tp)
-
-
-def check_rank_of(rank_of: Callable) -> bool:
-    """Every rank of five (dp, pp, tp) meshes: the student's rank of mesh.coordinates(rank)."""
-    def body() -> tuple[bool, str]:
-        for dp, pp, tp in MESHES:
-            for rank in range(dp * pp * tp):
-                at = coordinates(rank, dp=dp, pp=pp, tp=tp)
-                got = rank_of(at.pp, at.dp, at.tp, pp, dp, tp)
-                if got != rank:
-                    return False, (f"dp {dp} × pp {pp} × tp {tp}: (pp {at.pp}, dp {at.dp}, tp {at.tp}) "
-                                   f"is rank {rank} in mesh.py, yours says {got}")
-        return True, "5 meshes, every rank: TP neighbours are consecutive ranks, as in mesh.py"
-    return attempt(body)
-
-
-PLANS = [("llama3.1-405b", 8, 16), ("llama3.1-405b", 8, 8), ("llama2-70b", 4, 4), ("llama2-7b", 1, 1),
-         ("llama2-13b", 2, 3), ("tiny", 2, 2)]  # (model, tp, pp)
+# (model, tp, pp) from the simplest layout up, each with what it adds to the one before
+PLANS = [
+    (("tiny", 1, 1), ("llama2-70b", 1, 1)),
+    (("tiny", 2, 1), ("llama2-70b", 4, 1)),
+    (("tiny", 1, 3), ("llama2-13b", 1, 3)),
+    (("tiny", 2, 2), ("llama2-13b", 2, 3), ("llama2-70b", 4, 4), ("llama3.1-405b", 8, 16),
+     ("llama3.1-405b", 8, 8)),
+]
+HINTS = [
+    "One GPU holds the whole model: every tensor of common.model's Llama, with K/V width "
+    "n_kv_heads · head_dim (GQA: smaller than dim for 70B)",
+    "Right on one GPU, wrong under TP alone: which tensors does TP split, and which does every TP "
+    "rank hold whole?",
+    "Right on one GPU and under TP, wrong under PP alone: which stage is the heaviest? The earlier "
+    "stages take the remainder layers; the first holds the embedding, the last the final norm and head",
+    "Right under TP alone and PP alone, wrong together: the embedding and head split over TP too "
+    "(the vocabulary padded up to a multiple of t), on their stages",
+]
 
 
 def check_params_per_gpu(params_per_gpu: Callable) -> bool:
-    """Six (model, tp, pp) against memory_model.parameters_per_gpu, exactly."""
+    """Nine (model, tp, pp) against memory_model.parameters_per_gpu, exactly, simplest first."""
     def body() -> tuple[bool, str]:
-        for name, tp, pp in PLANS:
-            cfg = CONFIGS[name]
-            want, got = parameters_per_gpu(cfg, tp, pp), params_per_gpu(cfg, tp, pp)
-            if got != want:
-                return False, (f"{name} at TP {tp} × PP {pp}: yours {got:,}, the planner's {want:,} "
-                               f"({got - want:+,})")
+        for plans, hint in zip(PLANS, HINTS, strict=True):
+            for name, tp, pp in plans:
+                cfg = CONFIGS[name]
+                got, want = params_per_gpu(cfg, tp, pp), parameters_per_gpu(cfg, tp, pp)
+                if got != want:
+                    way = "too large" if got > want else "too small"
+                    return False, f"{name} at TP {tp} × PP {pp}: yours is {way}. {hint}"
         want = parameters_per_gpu(CONFIGS["llama3.1-405b"], 8, 16)
-        return True, f"6 layouts exactly; Llama 3.1 405B at TP 8 × PP 16: ψ = {want / 1e9:.3f}B per GPU"
+        return True, f"9 layouts exactly; Llama 3.1 405B at TP 8 × PP 16: ψ = {want / 1e9:.3f}B per GPU"
     return attempt(body)
 
 
-EXERCISES: dict[str, Callable[[Callable], bool]] = {"rank_of": check_rank_of,
-                                                    "params_per_gpu": check_params_per_gpu}
-
-
-def _rank_with_pp_innermost(pp_rank: int, dp_rank: int, tp_rank: int, pp: int, dp: int, tp: int) -> int:
-    """The order reversed: consecutive ranks are pipeline neighbours, TP groups stride over pp·dp."""
-    return (tp_rank * dp + dp_rank) * pp + pp_rank
+EXERCISES: dict[str, Callable[[Callable], bool]] = {"params_per_gpu": check_params_per_gpu}
 
 
 def _params_with_norms_split(cfg, tp: int, pp: int) -> int:
@@ -75,5 +68,4 @@ def _params_with_norms_split(cfg, tp: int, pp: int) -> int:
     return max(stages)
 
 
-WRONG: dict[str, Callable] = {"rank_of": _rank_with_pp_innermost,
-                              "params_per_gpu": _params_with_norms_split}
+WRONG: dict[str, Callable] = {"params_per_gpu": _params_with_norms_split}

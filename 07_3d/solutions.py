@@ -5,11 +5,6 @@ from __future__ import annotations
 from common.model import LlamaConfig
 
 
-def rank_of(pp_rank: int, dp_rank: int, tp_rank: int, pp: int, dp: int, tp: int) -> int:
-    """TP innermost (consecutive ranks share a node), then DP, PP outermost."""
-    return (pp_rank * dp + dp_rank) * tp + tp_rank
-
-
 def params_per_gpu(cfg: LlamaConfig, tp: int, pp: int) -> int:
     """Per stage: its blocks (matmul weights / tp, the two RMSNorms whole), the embedding on the
     first stage and the final norm + head on the last (vocabulary padded to a multiple of tp);
