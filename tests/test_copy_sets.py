@@ -25,10 +25,12 @@ from common.forkrun import forkrun
 
 LOOPS = Path(__file__).with_name("copy_loops.py")
 WORLD = {"parallelize_3d": 4}  # tp 2 × pp 2; every other piece on 2 ranks
-# ZeroOptimizer's plain-keyword API (branch h-zero) takes any number of backward passes before
-# step() and leaves p.grad honest for torch's clip at stage 0. Until it is merged the copy test
-# trains ZeroOptimizer with one backward per step and its own clip; after the merge set this to
-# True (and the set loses 03_zero/config.py, gains common/collectives.py: see test_copy_sets).
+# MARKER (issue 24, ZeroOptimizer's new API): the plain-keyword ZeroOptimizer of branch h-zero
+# takes any number of backward passes before step() (no_sync too) and leaves p.grad a view of the
+# reduced gradient at stage 0, so torch's clip_grad_norm_ applies there. Until it is merged the
+# copy test trains ZeroOptimizer with one backward per step and opt.clip_grad_norm_ (what the
+# current API takes); after the merge set True, and in common/copy_sets.py its set loses
+# 03_zero/config.py and gains common/collectives.py (then `python -m common.copy_sets --write`).
 ZERO_ACCUMULATES = False
 TOLERANCE = 1e-10
 
