@@ -65,6 +65,11 @@ def warmup(step: int) -> float:
     return min(1.0, (step + 1) / 2)
 
 
+def fresh(M, model):
+    """The same architecture with other initial values (what a resume must overwrite)."""
+    return M.build_model(model.cfg, seed=1, dtype=torch.float64)
+
+
 class Reference:
     """The single-process replica: the whole batch, torch's AdamW, LambdaLR and clip."""
 
@@ -93,16 +98,16 @@ def adamw(params, wrapper=None, **kwargs):
     return opt, LambdaLR(opt, warmup)
 
 
-def data_parallel_steps(model, opt, sched, ref, steps, reduce, clip=None, no_sync=None):
-    """A data-parallel user loop: this rank's 2 rows of 4 as 2 micro-batches (backward each,
-    `no_sync` around the first), `reduce()` after them, clip, step, schedule, zero_grad; the
-    norms' differences from the reference's."""
+def data_parallel_steps(model, opt, sched, ref, steps, reduce, clip=None, no_sync=None, micro_batches=2):
+    """A data-parallel user loop: this rank's 2 rows (of 2 per rank) as `micro_batches` backward
+    passes (`no_sync` around all but the last), `reduce()` after them, clip (torch's unless
+    `clip`), step, schedule, zero_grad; the norms' differences from the reference's."""
     rank, world, diffs = dist.get_rank(), dist.get_world_size(), []
     for step in steps:
         tokens = batch(step, 2 * world, ref.model.cfg.vocab_size)
-        for k, micro in enumerate(tokens[2 * rank:2 * rank + 2].split(1)):
-            with no_sync() if no_sync is not None and k == 0 else nullcontext():
-                ref.M.loss_fn(model(micro[:, :-1]), micro[:, 1:]).div(2).backward()
+        for k, micro in enumerate(tokens[2 * rank:2 * rank + 2].chunk(micro_batches)):
+            with no_sync() if no_sync is not None and k < micro_batches - 1 else nullcontext():
+                ref.M.loss_fn(model(micro[:, :-1]), micro[:, 1:]).div(micro_batches).backward()
         reduce()
         norm = clip() if clip else torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=False)
         opt.step()
@@ -116,6 +121,18 @@ def params_diff(named, ref: Reference) -> float:
     return max(rel(p.detach(), ref.params()[n]) for n, p in named)
 
 
+def round_trip(net, opt, sched, rebuild, wrapper=None, **kwargs):
+    """`net`, `opt` and `sched`'s state_dicts loaded into fresh ones as torch's docs resume (build,
+    then load); `rebuild()` makes the new net from other initial values."""
+    saved = net.state_dict(), opt.state_dict(), sched.state_dict()
+    net = rebuild()
+    net.load_state_dict(saved[0])
+    opt, sched = adamw(net.parameters(), wrapper, **kwargs)
+    opt.load_state_dict(saved[1])
+    sched.load_state_dict(saved[2])
+    return net, opt, sched
+
+
 # --- the pieces ---------------------------------------------------------------------------------
 
 def ddp(M, model, ref, args):
@@ -123,12 +140,7 @@ def ddp(M, model, ref, args):
     net = DDP(model, bucket_cap_mb=0.01)  # a few buckets
     opt, sched = adamw(net.parameters())
     norms = data_parallel_steps(net, opt, sched, ref, range(STEPS), lambda: None, no_sync=net.no_sync)
-    saved = net.state_dict(), opt.state_dict(), sched.state_dict()  # a round trip into fresh ones
-    net = DDP(M.build_model(model.cfg, seed=1, dtype=torch.float64), bucket_cap_mb=0.01)
-    net.load_state_dict(saved[0])
-    opt, sched = adamw(net.parameters())
-    opt.load_state_dict(saved[1])
-    sched.load_state_dict(saved[2])
+    net, opt, sched = round_trip(net, opt, sched, lambda: DDP(fresh(M, model), bucket_cap_mb=0.01))
     norms += data_parallel_steps(net, opt, sched, ref, [STEPS], lambda: None, no_sync=net.no_sync)
     return norms, params_diff(net.module.named_parameters(), ref)
 
@@ -151,23 +163,12 @@ def ring(M, model, ref, args):
     return norms, params_diff(model.named_parameters(), ref)
 
 
-def zero_steps(net, opt, sched, ref, steps, torch_clip: bool, accumulate: bool):
-    """ZeroOptimizer's user loop: its own clip (torch's where p.grad is the reduced gradient);
-    2 micro-batches under no_sync where the API takes any number of backward passes, else one."""
-    clip = None if torch_clip else (lambda: opt.clip_grad_norm_(CLIP))
-    if accumulate:
-        return data_parallel_steps(net, opt, sched, ref, steps, lambda: None, clip, opt.no_sync)
-    rank, world, out = dist.get_rank(), dist.get_world_size(), []
-    for step in steps:  # one backward per step: what the current API takes
-        tokens = batch(step, 2 * world, net.cfg.vocab_size)
-        mine = tokens[2 * rank:2 * rank + 2]
-        ref.M.loss_fn(net(mine[:, :-1]), mine[:, 1:]).backward()
-        norm = clip()
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        out.append(rel(norm, ref.step(tokens)))
-    return out
+def zero_train(net, opt, sched, ref, steps, stage: int, accumulate: bool) -> list[float]:
+    """ZeroOptimizer's loop: its own clip (torch's at stage 0, where p.grad is the reduced gradient,
+    in the new API); 2 backward passes, the first under no_sync, where the API takes any number."""
+    clip = None if accumulate and stage == 0 else (lambda: opt.clip_grad_norm_(CLIP))
+    return data_parallel_steps(net, opt, sched, ref, steps, lambda: None, clip,
+                               opt.no_sync if accumulate else None, 2 if accumulate else 1)
 
 
 def zero(M, model, ref, args):
@@ -176,16 +177,11 @@ def zero(M, model, ref, args):
     norms, diffs = [], []
     for stage in (0, 2):
         net, reference = copy.deepcopy(model), Reference(model, M)
-        torch_clip = accumulate and stage == 0  # stage 0: p.grad is a view of the reduced gradient
         opt, sched = adamw(net.parameters(), ZeroOptimizer, stage=stage)
-        norms += zero_steps(net, opt, sched, reference, range(STEPS), torch_clip, accumulate)
-        saved = net.state_dict(), opt.state_dict(), sched.state_dict()  # consolidated optimizer state
-        net = M.build_model(model.cfg, seed=1, dtype=torch.float64)
-        net.load_state_dict(saved[0])
-        opt, sched = adamw(net.parameters(), ZeroOptimizer, stage=stage)  # then load, as torch's docs
-        opt.load_state_dict(saved[1])
-        sched.load_state_dict(saved[2])
-        norms += zero_steps(net, opt, sched, reference, [STEPS], torch_clip, accumulate)
+        norms += zero_train(net, opt, sched, reference, range(STEPS), stage, accumulate)
+        # its state_dict is consolidated (every rank the whole): loaded into a fresh one
+        net, opt, sched = round_trip(net, opt, sched, lambda: fresh(M, model), ZeroOptimizer, stage=stage)
+        norms += zero_train(net, opt, sched, reference, [STEPS], stage, accumulate)
         diffs.append(params_diff(net.named_parameters(), reference))
     return norms, max(diffs)
 
@@ -201,12 +197,7 @@ def fsdp(M, model, ref, args):
     opt, sched = adamw(net.parameters())  # the flat shards
     norms = data_parallel_steps(net, opt, sched, ref, range(STEPS), lambda: None,
                                 lambda: net.clip_grad_norm_(CLIP), net.no_sync)
-    saved = net.state_dict(), opt.state_dict(), sched.state_dict()  # full tensors; local shards' state
-    net = wrap(M.build_model(model.cfg, seed=1, dtype=torch.float64))
-    net.load_state_dict(saved[0])
-    opt, sched = adamw(net.parameters())
-    opt.load_state_dict(saved[1])
-    sched.load_state_dict(saved[2])
+    net, opt, sched = round_trip(net, opt, sched, lambda: wrap(fresh(M, model)))  # full tensors; shards
     norms += data_parallel_steps(net, opt, sched, ref, [STEPS], lambda: None,
                                  lambda: net.clip_grad_norm_(CLIP), net.no_sync)
     return norms, params_diff(net.state_dict().items(), ref)
@@ -353,7 +344,7 @@ def checkpoint(M, model, ref, args):
     save.save_checkpoint(root, STEPS, {**state.model_shards(halves), **state.optimizer_shards(opt, halves)},
                          {"scheduler": sched.state_dict(), "param_groups": state.param_groups_state(opt)},
                          rank_state=state.capture_rng_state())
-    model = M.build_model(model.cfg, seed=1, dtype=torch.float64)  # fresh, and every rank reads it all
+    model = fresh(M, model)  # and every rank reads it all
     opt, sched = adamw(model.parameters())
     state.init_optimizer_state(opt)
     whole = {n: state.ParamSlice(q, reshard.Region.full(tuple(q.shape))) for n, q in model.named_parameters()}
