@@ -209,22 +209,23 @@ def violations() -> list[str]:
     """One line per import that breaks the rule, in a core or a kernel file."""
     out = []
     for path in core_files() + list(KERNEL):
-        own = module_name(path).split(".")[0]
-        allowed = ({"common"} if path in KERNEL else {own, "common", *COMPOSES.get(own, ())})
+        own, kernel = module_name(path).split(".")[0], path in KERNEL
+        allowed = {"common"} if kernel else {own, "common", *COMPOSES.get(own, ())}
         for imp in imports(path):
             top = imp.module.split(".")[0]
             where = f"{path}:{imp.line} imports {imp.module}"
             if top == "torch" or top in sys.stdlib_module_names:
                 continue
-            if top in OPTIONAL and imp.lazy and path not in KERNEL:
+            if top in OPTIONAL and not kernel:
+                if not imp.lazy:
+                    out.append(f"{where} at the top: import it inside the function that needs it")
                 continue
-            if top in OPTIONAL:
-                out.append(f"{where} at the top: import it inside the function that needs it")
-            elif top not in PACKAGES:
-                out.append(f"{where}: core files use torch and the standard library only")
-            elif top not in allowed:
-                out.append(f"{where}: not its chapter{'' if path in KERNEL else ', the kernel'} or a "
-                           "chapter it composes")
+            if top not in PACKAGES:
+                out.append(f"{where}: {'kernel' if kernel else 'core'} files use torch and the stdlib only")
+                continue
+            if top not in allowed:
+                out.append(f"{where}: " + ("kernel files import only the kernel" if kernel else
+                                           "not its chapter, the kernel or a chapter it composes"))
             files = resolve(imp)
             if top == "common" and not (files and set(files) <= set(KERNEL)):
                 out.append(f"{where}: not in the torch-only kernel {KERNEL}")
