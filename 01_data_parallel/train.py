@@ -17,9 +17,10 @@ from torch import nn
 
 from common.cli import DTYPES, BatchLayout, base_parser, batch_layout, model_config, require, validate_common
 from common.dist import DistContext
-from common.memory import optimizer_state_bytes, optimizer_state_tensors, storage_bytes
+from common.memory import optimizer_state_tensors, storage_bytes
 from common.mixed_precision import MasterWeights
 from common.model import build_model
+from common.optimizer_bytes import optimizer_state_bytes
 from common.reference import make_optimizer
 from common.training import Strategy, run_main
 from data_parallel import DistributedDataParallel, NaiveDataParallel

@@ -16,7 +16,7 @@ the ring's time tends to 2·S·beta whatever n is, while the naive one grows as 
 The measured algorithm bandwidth is S/T and the bus bandwidth (nccl-tests) busbw = S/T · 2(n-1)/n,
 which for the ring tends to 1/beta: the link's own speed. `fit` finds alpha and beta from measured
 times by least squares on relative error (times span five orders of magnitude, so absolute error would let the
-largest sizes decide alone). Depends only on numpy.
+largest sizes decide alone). Depends only on torch.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
+import torch
 
 
 def ring_terms(size_bytes: float, n: int, segment_bytes: float | None = None) -> tuple[float, float]:
@@ -66,19 +66,20 @@ class AlphaBeta:
 
 def fit(messages: Sequence[float], nbytes: Sequence[float], seconds: Sequence[float]) -> AlphaBeta:
     """alpha, beta >= 0 minimising Σ ((messages·alpha + bytes·beta - t) / t)²."""
-    m, b, t = (np.asarray(x, dtype=np.float64) for x in (messages, nbytes, seconds))
-    if len(t) < 2 or np.any(t <= 0):
+    m, b, t = (torch.tensor(x, dtype=torch.float64) for x in (messages, nbytes, seconds))
+    if len(t) < 2 or bool((t <= 0).any()):
         raise ValueError("fit needs at least two measurements, all with positive times")
-    design = np.stack([m / t, b / t], axis=1)  # each row divided by its t: relative residuals
-    target = np.ones_like(t)
-    (alpha, beta), *_ = np.linalg.lstsq(design, target, rcond=None)
+    design = torch.stack([m / t, b / t], dim=1)  # each row divided by its t: relative residuals
+    target = torch.ones_like(t)
+    alpha, beta = torch.linalg.lstsq(design, target[:, None], driver="gelsd").solution[:, 0].tolist()
     if alpha >= 0 and beta >= 0:
-        return AlphaBeta(float(alpha), float(beta))
+        return AlphaBeta(alpha, beta)
     # A negative coefficient: the best fit with the other one alone (the constrained optimum).
     candidates = []
     for column in (0, 1):
         x = design[:, column]
-        coef = max(float(x @ target / (x @ x)), 0.0) if x @ x > 0 else 0.0
-        candidates.append((float(np.sum((x * coef - target) ** 2)), column, coef))
+        xx = float(x @ x)
+        coef = max(float(x @ target) / xx, 0.0) if xx > 0 else 0.0
+        candidates.append((float(((x * coef - target) ** 2).sum()), column, coef))
     _, column, coef = min(candidates)
     return AlphaBeta(coef, 0.0) if column == 0 else AlphaBeta(0.0, coef)

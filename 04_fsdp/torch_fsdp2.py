@@ -29,8 +29,9 @@ from torch import nn
 
 from common.cli import DTYPES, model_config
 from common.dist import DistContext
-from common.memory import ActivationMeter, optimizer_state_bytes, optimizer_state_tensors, storage_bytes
+from common.memory import ActivationMeter, optimizer_state_tensors, storage_bytes
 from common.model import build_model, initializer
+from common.optimizer_bytes import optimizer_state_bytes
 from common.reference import make_optimizer
 from common.training import Strategy
 

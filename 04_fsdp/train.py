@@ -22,8 +22,9 @@ from torch import nn
 
 from common.cli import DTYPES, BatchLayout, base_parser, batch_layout, model_config, require, validate_common
 from common.dist import DistContext, pick_backend
-from common.memory import ActivationMeter, model_state_bytes, optimizer_state_bytes
+from common.memory import ActivationMeter, model_state_bytes
 from common.model import TransformerBlock, build_model, initializer
+from common.optimizer_bytes import optimizer_state_bytes
 from common.reference import make_optimizer
 from common.training import Strategy, run_main
 from fsdp import (

@@ -4,9 +4,8 @@ Every function and layer takes the TP process `group` explicitly (never the worl
 can pass one line of its TP dimension. Every rank of a TP group must feed the same data.
 
 Public API. The core files import only torch and the common kernel (common/collectives.py);
-copy sets: the TP layers and plan = mappings.py, layers.py, sharding.py, cross_entropy.py,
-parallelize.py + common/collectives.py; ring attention = context_parallel.py +
-common/collectives.py.
+what to copy for the TP layers and plan, and for ring attention: common/copy_sets.py (README.md's
+"Copy it" section).
 
 Operators (mappings.py), Megatron's f and g and their SP halves, autograd functions over `group`
 (Megatron's names shortened tensor_model_parallel → tp; the sequence dim is 1 here, our [B, T, H]):

@@ -1,8 +1,8 @@
 """Chapter 06: pipeline parallelism. GPipe, 1F1B, interleaved 1F1B and ZB-H1 as data, one executor.
 
 The core files import only torch and the common kernel (copy them out): the schedule and its
-executor = schedules.py, executor.py, p2p.py, backward_split.py, timeline.py (+ common/p2p_plan.py
-to replay a plan under NCCL's rules); the LLaMA split = stage.py + common/model.py.
+executor = common/copy_sets.py's set (README.md's "Copy it"; + common/p2p_plan.py to replay a
+plan under NCCL's rules); the LLaMA split = stage.py + common/model.py.
 
     schedules.py   make_schedule(name, p, m, v=1) -> Schedule; name in SCHEDULES =
                    ("gpipe", "1f1b", "interleaved", "zb"). Schedule.actions[rank] is the ordered

@@ -22,9 +22,10 @@ from common.cli import DTYPES, BatchLayout, base_parser, model_config, require, 
 from common.clip import clip_grad_norm_
 from common.data import split_inputs_targets
 from common.dist import DistContext
-from common.memory import optimizer_state_bytes, optimizer_state_tensors, storage_bytes
+from common.memory import optimizer_state_tensors, storage_bytes
 from common.mixed_precision import MasterWeights
 from common.model import build_model, initializer, loss_fn, materialize
+from common.optimizer_bytes import optimizer_state_bytes
 from common.reference import make_optimizer
 from common.training import Strategy, run_main
 from pipeline.executor import LossFn, PipelineExecutor

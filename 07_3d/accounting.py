@@ -18,15 +18,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from common.memory import optimizer_state_bytes
 from common.model import LlamaConfig
-from fsdp import FSDP, UnitShard
+from common.optimizer_bytes import optimizer_state_bytes
+from fsdp.flat_param import UnitShard
+from fsdp.fully_sharded import FullyShardedDataParallel
 from parallel3d.memory_model import head_activation_bytes, layer_activation_bytes
 from parallel3d.mesh import Coordinates, ParallelMesh
 from parallel3d.parallelize import Parallel3DConfig
 from pipeline.schedules import Schedule
 from pipeline.simulator import closed_form_bubble
-from tensor_parallel import load_balance
+from tensor_parallel.context_parallel import load_balance
 
 
 @dataclass(frozen=True)
@@ -57,9 +58,9 @@ class Rank3D:
         return self.micro_batch, self.seq_len // self.sizes.cp // split, self.cfg.dim
 
 
-def describe_rank(cfg: LlamaConfig, mesh: ParallelMesh, schedule: Schedule, chunks: list[FSDP],
-                  parallel: Parallel3DConfig, micro_batch: int, seq_len: int,
-                  compute_dtype: torch.dtype, clip: bool, optimizer: str) -> Rank3D:
+def describe_rank(cfg: LlamaConfig, mesh: ParallelMesh, schedule: Schedule,
+                  chunks: list[FullyShardedDataParallel], parallel: Parallel3DConfig, micro_batch: int,
+                  seq_len: int, compute_dtype: torch.dtype, clip: bool, optimizer: str) -> Rank3D:
     """The Rank3D of this rank's built chunks."""
     return Rank3D(cfg, Coordinates(mesh.dp, mesh.pp, mesh.cp, mesh.tp), mesh.coordinates, schedule,
                   tuple(tuple(c.shard_layout()) for c in chunks),

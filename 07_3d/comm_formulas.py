@@ -28,8 +28,8 @@ import math
 
 import torch
 
-from fsdp import ShardingStrategy
 from fsdp.formulas import unit_comm_bytes, unit_traffic
+from fsdp.wrap import ShardingStrategy
 from parallel3d.accounting import Rank3D
 from tensor_parallel.formulas import Shape, cp_comm_bytes, microbatch_comm_bytes
 

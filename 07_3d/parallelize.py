@@ -27,13 +27,16 @@ from dataclasses import dataclass
 import torch
 
 from common.model import Llama, LlamaConfig, TransformerBlock, initializer
-from fsdp import FSDP, MixedPrecision, ModuleWrapPolicy, ShardingStrategy
+from fsdp.fully_sharded import FullyShardedDataParallel
+from fsdp.wrap import MixedPrecision, ModuleWrapPolicy, ShardingStrategy
 from parallel3d.mesh import ParallelMesh
 from parallel3d.recompute import MODES, CheckpointWrapper, apply_recompute, unwrapped_name
-from pipeline import LlamaChunk, split_model
 from pipeline.schedules import SCHEDULES, virtual_stages
-from tensor_parallel import TPShard, local_piece, parallelize_llama, sequence_positions, shard_sequence
-from tensor_parallel import apply_context_parallel as context_parallel
+from pipeline.stage import LlamaChunk, split_model
+from tensor_parallel.context_parallel import apply_context_parallel as context_parallel
+from tensor_parallel.context_parallel import sequence_positions, shard_sequence
+from tensor_parallel.parallelize import parallelize_llama
+from tensor_parallel.sharding import TPShard, local_piece
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ class Parallel3DConfig:
 
 
 def parallelize_3d(model: Llama, mesh: ParallelMesh, config: Parallel3DConfig,
-                   device: torch.device) -> tuple[list[FSDP], dict[str, TPShard]]:
+                   device: torch.device) -> tuple[list[FullyShardedDataParallel], dict[str, TPShard]]:
     """This rank's FSDP-wrapped chunks, and the TPShard of every reference parameter they hold."""
     chunks = apply_pipeline_split(model, mesh, config)
     tp_specs = apply_tensor_parallel(chunks, mesh.tp_group, config.sequence_parallel)
@@ -97,7 +100,7 @@ def apply_tensor_parallel(chunks: list[LlamaChunk], group, sp: bool) -> dict[str
 
 
 def apply_fsdp(chunks: list[LlamaChunk], mesh: ParallelMesh, config: Parallel3DConfig,
-               tp_specs: dict[str, TPShard], init, device: torch.device) -> list[FSDP]:
+               tp_specs: dict[str, TPShard], init, device: torch.device) -> list[FullyShardedDataParallel]:
     """04: one unit per block (its recompute wrapper under full recomputation), the rest of the
     chunk as the root unit, sharded over the DP × CP group (gradients averaged over its dp·cp
     ranks); each unit draws only the TP pieces that overlap this rank's shard."""
@@ -109,9 +112,9 @@ def apply_fsdp(chunks: list[LlamaChunk], mesh: ParallelMesh, config: Parallel3DC
     def tp_piece(name: str, _) -> torch.Tensor:
         return local_piece(init(unwrapped_name(name)), tp_specs[unwrapped_name(name)])
 
-    return [FSDP(c, process_group=mesh.dp_cp_group, sharding_strategy=sharding, mixed_precision=mp,
-                 auto_wrap_policy=ModuleWrapPolicy({unit}), device_id=device, shard_init_fn=tp_piece,
-                 forward_prefetch=True)
+    return [FullyShardedDataParallel(c, process_group=mesh.dp_cp_group, sharding_strategy=sharding,
+                                     mixed_precision=mp, auto_wrap_policy=ModuleWrapPolicy({unit}),
+                                     device_id=device, shard_init_fn=tp_piece, forward_prefetch=True)
             for c in chunks]
 
 

@@ -29,11 +29,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fsdp import FSDP, UnitShard
+from fsdp.flat_param import UnitShard
+from fsdp.fully_sharded import FullyShardedDataParallel
 from parallel3d.checkpoint.reshard import Region, copy_overlap
 from parallel3d.mesh import ParallelMesh
 from parallel3d.recompute import unwrapped_name
-from tensor_parallel import TPShard
+from tensor_parallel.sharding import TPShard
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,8 @@ class ShardMap:
         return None if flat is None else flat.detach()[piece.start : piece.start + piece.region.numel]
 
 
-def shard_map(chunks: Sequence[FSDP], tp_specs: dict[str, TPShard], mesh: ParallelMesh) -> ShardMap:
+def shard_map(chunks: Sequence[FullyShardedDataParallel], tp_specs: dict[str, TPShard],
+              mesh: ParallelMesh) -> ShardMap:
     """The ShardMap of this rank's FSDP-wrapped chunks (parallelize_3d's result). No collective."""
     units = tuple(u for chunk in chunks for u in chunk.shard_layout())
     replica = mesh.dp_rank != 0 or mesh.cp_rank != 0  # of a NO_SHARD unit's dp × cp copies

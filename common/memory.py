@@ -43,17 +43,6 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tens
             if isinstance(v, torch.Tensor)]
 
 
-def optimizer_state_bytes(optimizer: str, numel: float, itemsize: int, n_tensors: int) -> float:
-    """The closed form of `optimizer`'s state for `numel` elements of `itemsize` bytes held in
-    `n_tensors` tensors: AdamW keeps m and v (2·numel·itemsize) and a 4-byte step counter per
-    tensor (torch's float32 `step`); plain SGD keeps nothing. The one copy of this formula."""
-    if optimizer == "adamw":
-        return 2 * numel * itemsize + 4 * n_tensors
-    if optimizer == "sgd":
-        return 0
-    raise ValueError(f"unknown optimizer {optimizer!r}: use 'adamw' or 'sgd'")
-
-
 def model_state_bytes(params: Iterable[nn.Parameter],
                       optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """{"params", "grads", "optimizer"} bytes held by this rank right now."""

@@ -30,12 +30,10 @@ from parallel3d.checkpoint.save import CheckpointError
 from parallel3d.checkpoint.trainer import (
     TrainerState,
     checkpoint_to_resume,
-    data_identity,
     data_mismatch,
     load_trainer_state,
     save_trainer_state,
     trainer_config,
-    validate_checkpoint_flags,
 )
 from parallel3d.lr_schedule import warmup_cosine_scheduler
 from tests.equivalence import TrainSpec, spec_args
@@ -65,7 +63,7 @@ def build(mesh, steps: int = TOTAL):
 
 def identity(args) -> dict:
     """What save_trainer_state / load_trainer_state check a checkpoint against."""
-    return {"data": data_identity(args), "config": trainer_config(CFG, args.optimizer)}
+    return {"data": train3d.data_identity(args), "config": trainer_config(CFG, args.optimizer)}
 
 
 def train(strategy, config, args, start: int, stop: int) -> None:
@@ -159,10 +157,11 @@ def test_an_edited_corpus_is_a_mismatch(tmp_path):
     corpus.write_bytes(b"abcdefgh" * 64)
     args = make_args((1, 1, 1))
     args.data = str(corpus)
-    saved = data_identity(args)
-    assert data_mismatch(saved, data_identity(args)) is None
+    saved = train3d.data_identity(args)
+    assert data_mismatch(saved, train3d.data_identity(args)) is None
     corpus.write_bytes(b"abcdefgX" * 64)
-    assert "the corpus changed since the checkpoint was saved" in data_mismatch(saved, data_identity(args))
+    changed = data_mismatch(saved, train3d.data_identity(args))
+    assert "the corpus changed since the checkpoint was saved" in changed
 
 
 def test_resume_rules_and_a_checkpoint_of_another_model(pools, tmp_path):
@@ -177,8 +176,8 @@ def test_resume_rules_and_a_checkpoint_of_another_model(pools, tmp_path):
 
     # the same checks as flags, before any collective (what train.py's validate would call)
     ck = str(tmp_path / "ck")
-    assert validate_checkpoint_flags(make_args((1, 1, 1), checkpoint_dir=ck, resume="must"),
-                                     CFG).resume_from == tmp_path / "ck" / "step-00000001"
+    assert train3d.validate_checkpoint_flags(make_args((1, 1, 1), checkpoint_dir=ck, resume="must"),
+                                             CFG).resume_from == tmp_path / "ck" / "step-00000001"
     bad = [({"checkpoint_dir": None, "resume": "must"}, {}, r"--resume must without --checkpoint-dir"),
            ({"checkpoint_dir": None, "save_every": 2}, {}, r"--save-every 2 without --checkpoint-dir"),
            ({"checkpoint_dir": str(tmp_path / "new"), "resume": "must"}, {},
@@ -191,7 +190,7 @@ def test_resume_rules_and_a_checkpoint_of_another_model(pools, tmp_path):
         args = make_args((1, 1, 1), **flags)
         vars(args).update(override)
         with pytest.raises(ConfigError, match=message):
-            validate_checkpoint_flags(args, override.get("cfg", CFG))
+            train3d.validate_checkpoint_flags(args, override.get("cfg", CFG))
 
 
 # --- the CLI: train.py's flags, the loop's start_step and after_step ---------------------------

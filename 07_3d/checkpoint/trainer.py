@@ -9,24 +9,22 @@ shard, saved under each of its names.
     Checkpointing(state, plan, steps, rank, world)          the trainer's schedule of saves
 
 `state` (TrainerState) is what the files hold: the ShardMap, the optimizer, the scheduler and
-the device whose RNG is saved; `data` (data_identity) and `config` (trainer_config) are what a
-checkpoint must match to be resumed.
+the device whose RNG is saved; `data` (DATA_KEYS: the flags the batches depend on, train.py's
+`data_identity`) and `config` (trainer_config) are what a checkpoint must match to be resumed.
+The flags (--checkpoint-dir, --save-every, --resume, --keep) and their validation into a
+CheckpointPlan are train.py's. Depends only on torch (and the ShardMap of shards.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
-import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from common.cli import ConfigError, require
-from common.data import ByteCorpus
-from parallel3d.checkpoint.load import load_checkpoint, open_checkpoint, resolve_checkpoint
+from parallel3d.checkpoint.load import load_checkpoint, resolve_checkpoint
 from parallel3d.checkpoint.save import CheckpointError, save_checkpoint
 from parallel3d.checkpoint.state import (
     ParamSlice,
@@ -72,17 +70,6 @@ def param_slices(shards: ShardMap) -> dict[str, ParamSlice]:
     """{reference name: ParamSlice of a flat shard} for every piece this rank holds."""
     return {p.name: ParamSlice(shards.units[p.unit].flat_param, p.region, start=p.start)
             for p in shards.pieces}
-
-
-def data_identity(args: argparse.Namespace) -> dict:
-    """What the batch of step s depends on: DATA_KEYS and, for a byte corpus, the crc32 of its
-    bytes (the default corpus is this repository's text: an edit between save and resume moves
-    every window)."""
-    ident = {k: getattr(args, k, None) for k in DATA_KEYS}
-    if ident["data"] != "synthetic":
-        corpus = ByteCorpus(args.seq_len, args.seed, args.data).data
-        ident["corpus_crc32"] = zlib.crc32(corpus.to(torch.uint8).numpy().tobytes())
-    return ident
 
 
 def data_mismatch(saved: dict, now: dict) -> str | None:
@@ -199,48 +186,3 @@ def kill_if_asked(done: int, rank: int, world_size: int) -> None:
         return
     if rank == int(os.environ.get("PFS_KILL_RANK", world_size - 1)):
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-# --- the flags, for train.py ----------------------------------------------------------------
-
-def add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
-                   help="save sharded checkpoints here (DIR/step-N/, DIR/latest)")
-    p.add_argument("--save-every", type=int, default=0, metavar="K",
-                   help="save after every K steps and after the last (0: after the last only)")
-    p.add_argument("--resume", nargs="?", const="must", default="never", choices=RESUME,
-                   help="continue from DIR/latest, saved on any mesh (bare --resume: must exist; "
-                        "auto: start fresh when DIR has no committed checkpoint, for torchrun restarts)")
-    p.add_argument("--keep", type=int, default=2, metavar="N", help="checkpoints kept in DIR")
-
-
-def validate_checkpoint_flags(args: argparse.Namespace, cfg) -> CheckpointPlan:
-    """Before any collective, on every rank: the flags, and the checkpoint to resume from (found,
-    complete, same model and data, not already past --steps). Namespaces built without the flags
-    (tests) mean no checkpoints."""
-    directory = getattr(args, "checkpoint_dir", None)
-    save_every, keep = getattr(args, "save_every", 0), getattr(args, "keep", 2)
-    resume = getattr(args, "resume", "never")
-    require(save_every >= 0, f"--save-every {save_every}: must be >= 0")
-    require(keep >= 1, f"--keep {keep}: must be >= 1")
-    require(save_every == 0 or directory is not None,
-            f"--save-every {save_every} without --checkpoint-dir: name the directory to save in")
-    require(resume == "never" or directory is not None,
-            f"--resume {resume} without --checkpoint-dir: name the directory to resume from")
-    require(resume == "never" or not args.check,
-            "--check with --resume: the single-device reference trains from step 0; drop one")
-    if directory is None:
-        return CheckpointPlan(None, save_every, keep)
-    data, config = data_identity(args), trainer_config(cfg, args.optimizer)
-    try:
-        path = checkpoint_to_resume(directory, resume)
-        if path is None:
-            return CheckpointPlan(directory, save_every, keep, None, data, config)
-        found, meta = open_checkpoint(path, config)
-    except CheckpointError as e:
-        raise ConfigError(f"--checkpoint-dir {directory} --resume: {e}") from None
-    mismatch = data_mismatch((meta.get("state") or {}).get("data", {}), data)
-    require(mismatch is None, f"{found}: {mismatch}")
-    require(meta["step"] < args.steps, f"--steps {args.steps}: {found} is already at step "
-            f"{meta['step']}; pass a larger --steps (the total) to train on")
-    return CheckpointPlan(directory, save_every, keep, found, data, config)

@@ -1,0 +1,315 @@
+"""What to copy to use one piece of the course in your own code: the torch-only kernel and the
+copy set of each piece, written once here and checked by tests/test_copy_sets.py.
+
+The rule. A chapter's core files (every .py of a chapter folder but train.py, bench*.py,
+__init__.py, exercises.py, solutions.py, lab*.py and torch_*.py) import only the standard
+library, torch, files of their own chapter, the KERNEL below, and, in chapter 07 only, the
+chapters it composes (COMPOSES); always from the module that defines the name
+(`from fsdp.wrap import MixedPrecision`), never from a package's __init__.py, so that a copy
+works with an empty __init__.py. A third-party package in OPTIONAL may be imported inside the one
+function that needs it (a plot, an export format), never at the top of a file. Kernel files
+import only the standard library, torch and the kernel.
+
+A piece's copy set is the import closure of its entry files: every project file they import,
+and those files' imports, down to the kernel (imports under `if TYPE_CHECKING:` excluded). Copy
+each file into a folder named by its package (01_data_parallel/ddp.py → data_parallel/ddp.py,
+common/clip.py → common/clip.py), with an empty __init__.py in each folder, on your import path:
+the imports then resolve as they are, with no edit. The test copies exactly that into an empty
+directory and trains with it alone, and checks the "Copy it" section of each README against
+`readme_section`: `python -m common.copy_sets --write` rewrites those sections.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import re
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# import name → folder, read from pyproject.toml's [tool.setuptools.package-dir] (its one copy)
+PACKAGES: dict[str, str] = dict(re.findall(
+    r'^(\w+) = "([\w/]+)"$',
+    (ROOT / "pyproject.toml").read_text().split("[tool.setuptools.package-dir]")[1].split("\n[")[0],
+    re.M))
+FOLDERS = {folder: name for name, folder in PACKAGES.items()}
+
+KERNEL = ("common/clip.py", "common/collectives.py", "common/model.py", "common/optimizer_bytes.py",
+          "common/p2p_plan.py")
+COMPOSES = {"parallel3d": ("fsdp", "tensor_parallel", "pipeline")}
+OPTIONAL = {"matplotlib": "06's timeline plots", "safetensors": "07's Hugging Face export"}
+NOT_CORE = re.compile(  # the before-stop hook's exemption pattern
+    r"(^|/)(train|bench[a-z_]*|__init__|exercises|solutions|lab[a-z_0-9]*|torch_[a-z0-9_]*)\.py$")
+
+
+@dataclass(frozen=True)
+class CopySet:
+    """A piece people copy: the README that lists it, the import a user writes, the files its
+    use starts from, and the files to copy (= the import closure of `entries`, checked)."""
+
+    readme: str
+    use: str
+    entries: tuple[str, ...]
+    files: tuple[str, ...]
+
+
+COPY_SETS: dict[str, CopySet] = {
+    "DDP": CopySet(
+        "01_data_parallel/README.md", "from data_parallel.ddp import DistributedDataParallel",
+        ("01_data_parallel/ddp.py",),
+        ("01_data_parallel/ddp.py", "01_data_parallel/naive.py")),
+    "ring all-reduce": CopySet(
+        "02_ring_allreduce/README.md", "from ring_allreduce.ring import ring_all_reduce",
+        ("02_ring_allreduce/ring.py",),
+        ("02_ring_allreduce/agreement.py", "02_ring_allreduce/plan.py", "02_ring_allreduce/ring.py")),
+    "ZeroOptimizer": CopySet(
+        "03_zero/README.md", "from zero.optimizer import ZeroOptimizer",
+        ("03_zero/optimizer.py",),
+        ("03_zero/config.py", "03_zero/flat.py", "03_zero/offload.py", "03_zero/optimizer.py",
+         "03_zero/optimizer_state.py", "common/clip.py")),
+    "FSDP": CopySet(
+        "04_fsdp/README.md", "from fsdp.fully_sharded import FullyShardedDataParallel",
+        ("04_fsdp/fully_sharded.py",),
+        ("04_fsdp/flat_param.py", "04_fsdp/fully_sharded.py", "04_fsdp/state.py", "04_fsdp/wrap.py",
+         "common/clip.py", "common/collectives.py")),
+    "TP layers and plan": CopySet(
+        "05_tensor_parallel/README.md",
+        "from tensor_parallel.parallelize import parallelize_llama, vocab_parallel_loss",
+        ("05_tensor_parallel/parallelize.py", "common/clip.py"),  # clipping needs the global norm
+        ("05_tensor_parallel/cross_entropy.py", "05_tensor_parallel/layers.py",
+         "05_tensor_parallel/mappings.py", "05_tensor_parallel/parallelize.py",
+         "05_tensor_parallel/sharding.py", "common/clip.py", "common/collectives.py")),
+    "ring attention": CopySet(
+        "05_tensor_parallel/README.md", "from tensor_parallel.context_parallel import apply_context_parallel",
+        ("05_tensor_parallel/context_parallel.py",),
+        ("05_tensor_parallel/context_parallel.py", "common/collectives.py")),
+    "pipeline schedule and executor": CopySet(
+        "06_pipeline/README.md",
+        "from pipeline.executor import PipelineExecutor; from pipeline.schedules import make_schedule",
+        ("06_pipeline/executor.py", "06_pipeline/schedules.py", "common/clip.py"),  # the norm over stages
+        ("06_pipeline/backward_split.py", "06_pipeline/executor.py", "06_pipeline/p2p.py",
+         "06_pipeline/schedules.py", "06_pipeline/timeline.py", "common/clip.py")),
+    "parallelize_3d": CopySet(
+        "07_3d/README.md",
+        "from parallel3d.parallelize import parallelize_3d; from parallel3d.clip import clip_grad_norm_3d",
+        ("07_3d/parallelize.py", "07_3d/clip.py", "07_3d/mesh.py", "06_pipeline/executor.py"),
+        ("04_fsdp/flat_param.py", "04_fsdp/fully_sharded.py", "04_fsdp/state.py", "04_fsdp/wrap.py",
+         "05_tensor_parallel/context_parallel.py", "05_tensor_parallel/cross_entropy.py",
+         "05_tensor_parallel/layers.py", "05_tensor_parallel/mappings.py",
+         "05_tensor_parallel/parallelize.py", "05_tensor_parallel/sharding.py",
+         "06_pipeline/backward_split.py", "06_pipeline/executor.py", "06_pipeline/p2p.py",
+         "06_pipeline/schedules.py", "06_pipeline/stage.py", "06_pipeline/timeline.py",
+         "07_3d/checkpoint/reshard.py", "07_3d/clip.py", "07_3d/mesh.py", "07_3d/parallelize.py",
+         "07_3d/recompute.py", "07_3d/shards.py", "common/clip.py", "common/collectives.py",
+         "common/model.py")),
+    "checkpoint save/load": CopySet(
+        "07_3d/checkpoint/README.md",
+        "from parallel3d.checkpoint.save import save_checkpoint; "
+        "from parallel3d.checkpoint.load import load_checkpoint",
+        ("07_3d/checkpoint/save.py", "07_3d/checkpoint/load.py", "07_3d/checkpoint/state.py"),
+        ("07_3d/checkpoint/load.py", "07_3d/checkpoint/reshard.py", "07_3d/checkpoint/save.py",
+         "07_3d/checkpoint/state.py")),
+}
+
+
+# --- reading imports --------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Import:
+    module: str  # absolute dotted name (a relative import resolved)
+    names: tuple[str, ...]  # `from module import names`; () for `import module`
+    line: int
+    lazy: bool  # inside a function
+    typing_only: bool  # under `if TYPE_CHECKING:`
+
+
+def module_name(path: str) -> str:
+    """"07_3d/checkpoint/save.py" → "parallel3d.checkpoint.save" (a package: its __init__'s name)."""
+    parts = Path(path).with_suffix("").parts
+    parts = (FOLDERS[parts[0]], *parts[1:])
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_path(module: str) -> str | None:
+    """The project file that defines `module`, or None for anything else (torch, the stdlib)."""
+    top, *rest = module.split(".")
+    if top not in PACKAGES:
+        return None
+    base = "/".join([PACKAGES[top], *rest])
+    for candidate in (f"{base}.py", f"{base}/__init__.py"):
+        if (ROOT / candidate).is_file():
+            return candidate
+    return None
+
+
+def imports(path: str) -> list[Import]:
+    """Every import statement of a file (also inside functions), relative ones made absolute."""
+    package = module_name(path) if path.endswith("__init__.py") else module_name(path).rpartition(".")[0]
+    found: list[Import] = []
+
+    def visit(node: ast.AST, lazy: bool, typing_only: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                found.extend(Import(a.name, (), child.lineno, lazy, typing_only) for a in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = package.rsplit(".", child.level - 1)[0] if child.level else ""
+                module = ".".join(p for p in (base, child.module or "") if p)
+                names = tuple(a.name for a in child.names)
+                found.append(Import(module, names, child.lineno, lazy, typing_only))
+            else:
+                in_function = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                checking = isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test)
+                visit(child, lazy or in_function, typing_only or checking)
+
+    visit(ast.parse((ROOT / path).read_text(encoding="utf-8")), False, False)
+    return found
+
+
+def resolve(imp: Import) -> list[str]:
+    """The project files an import needs: `from pkg import sub` is pkg/sub.py; `from pkg import
+    Name` is pkg/__init__.py (which the rule forbids: import Name from its module)."""
+    if imp.names:
+        files = [module_path(f"{imp.module}.{name}") for name in imp.names]
+        if all(files):
+            return files
+    own = module_path(imp.module)
+    return [own] if own else []
+
+
+def closure(entries: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """Every project file the entries need at run time, the entries included, sorted."""
+    seen, todo = set(entries), list(entries)
+    while todo:
+        for imp in imports(todo.pop()):
+            for f in resolve(imp) if not imp.typing_only else []:
+                if f not in seen:
+                    seen.add(f)
+                    todo.append(f)
+    return tuple(sorted(seen))
+
+
+# --- the rule -----------------------------------------------------------------------------------
+
+def chapter_folders() -> list[str]:
+    return sorted(folder for folder in PACKAGES.values() if folder != "common")
+
+
+def core_files() -> list[str]:
+    """Every core file of every chapter (07's subpackages included)."""
+    return sorted(str(p.relative_to(ROOT)) for folder in chapter_folders()
+                  for p in (ROOT / folder).rglob("*.py") if not NOT_CORE.search(p.name))
+
+
+def violations() -> list[str]:
+    """One line per import that breaks the rule, in a core or a kernel file."""
+    out = []
+    for path in core_files() + list(KERNEL):
+        own, kernel = module_name(path).split(".")[0], path in KERNEL
+        allowed = {"common"} if kernel else {own, "common", *COMPOSES.get(own, ())}
+        for imp in imports(path):
+            top = imp.module.split(".")[0]
+            where = f"{path}:{imp.line} imports {imp.module}"
+            if top == "torch" or top in sys.stdlib_module_names:
+                continue
+            if top in OPTIONAL and not kernel:
+                if not imp.lazy:
+                    out.append(f"{where} at the top: import it inside the function that needs it")
+                continue
+            if top not in PACKAGES:
+                out.append(f"{where}: {'kernel' if kernel else 'core'} files use torch and the stdlib only")
+                continue
+            if top not in allowed:
+                out.append(f"{where}: " + ("kernel files import only the kernel" if kernel else
+                                           "not its chapter, the kernel or a chapter it composes"))
+            files = resolve(imp)
+            if top == "common" and not (files and set(files) <= set(KERNEL)):
+                out.append(f"{where}: not in the torch-only kernel {KERNEL}")
+            elif any(f.endswith("__init__.py") for f in files):
+                out.append(f"{where}'s __init__.py: import {', '.join(imp.names)} from its module")
+    return out
+
+
+# --- the READMEs ----------------------------------------------------------------------------------
+
+def line_count(path: str) -> int:
+    return len((ROOT / path).read_text(encoding="utf-8").splitlines())
+
+
+def copy_path(path: str) -> str:
+    """Where a file goes in a copy: its package's name for its folder."""
+    folder, _, rest = path.partition("/")
+    return f"{FOLDERS[folder]}/{rest}"
+
+
+def fill(text: str) -> str:
+    return textwrap.fill(text, 100, break_long_words=False, break_on_hyphens=False)
+
+
+def readme_section(readme: str) -> str:
+    """The "## Copy it" section of `readme`: each of its pieces' files and lines."""
+    out = ["## Copy it", "",
+           "<!-- generated: python -m common.copy_sets --write (common/copy_sets.py); "
+           "tests/test_copy_sets.py checks it -->"]
+    here = (ROOT / readme).parent
+    for name, piece in COPY_SETS.items():
+        if piece.readme != readme:
+            continue
+        links = ", ".join(f"[`{copy_path(f)}`]({os.path.relpath(ROOT / f, here)})" for f in piece.files)
+        total = sum(line_count(f) for f in piece.files)
+        out += ["", f"**{name}** (`{piece.use}`):",
+                fill(f"{len(piece.files)} files, {total} lines: {links}.")]
+    test = os.path.relpath(ROOT / "tests/test_copy_sets.py", here)
+    out += ["", fill("Copy each file into a folder named by its package, with an empty `__init__.py` in "
+                     "each folder, on your import path; the imports resolve as they are. That is all a "
+                     f"piece needs: [`test_copy_sets.py`]({test}) copies exactly these files into an "
+                     "empty directory and trains with them alone, in a plain loop, against one device "
+                     "(float64, 1e-10).")]
+    return "\n".join(out) + "\n"
+
+
+def current_section(text: str) -> str | None:
+    """The "## Copy it" section of a README's text (up to the next "## " heading), or None."""
+    match = re.search(r"^## Copy it\n.*?(?=^## |\Z)", text, re.M | re.S)
+    return match.group(0) if match else None
+
+
+def readmes() -> list[str]:
+    return sorted({piece.readme for piece in COPY_SETS.values()})
+
+
+def write_readmes() -> list[str]:
+    """Rewrite each README's "Copy it" section (appended when it has none); the changed ones."""
+    changed = []
+    for readme in readmes():
+        path, section = ROOT / readme, readme_section(readme)
+        text = path.read_text(encoding="utf-8")
+        old = current_section(text)
+        if old is None:
+            new = text.rstrip("\n") + "\n\n" + section
+        else:  # a blank line before the next heading
+            new = text.replace(old, section + ("\n" if text.index(old) + len(old) < len(text) else ""))
+        if new != text:
+            path.write_text(new, encoding="utf-8")
+            changed.append(readme)
+    return changed
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--write", action="store_true", help="rewrite the READMEs' Copy it sections")
+    args = p.parse_args(argv)
+    if args.write:
+        print("\n".join(write_readmes()) or "every README is up to date")
+        return
+    for readme in readmes():
+        print(f"--- {readme}\n{readme_section(readme)}")
+    print("\n".join(violations()) or "every core file keeps the rule")
+
+
+if __name__ == "__main__":
+    main()
