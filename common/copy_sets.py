@@ -70,8 +70,8 @@ COPY_SETS: dict[str, CopySet] = {
     "ZeroOptimizer": CopySet(
         "03_zero/README.md", "from zero.optimizer import ZeroOptimizer",
         ("03_zero/optimizer.py",),
-        ("03_zero/config.py", "03_zero/flat.py", "03_zero/offload.py", "03_zero/optimizer.py",
-         "03_zero/optimizer_state.py", "common/clip.py")),
+        ("03_zero/flat.py", "03_zero/offload.py", "03_zero/optimizer.py",
+         "03_zero/optimizer_state.py", "common/clip.py", "common/collectives.py")),
     "FSDP": CopySet(
         "04_fsdp/README.md", "from fsdp.fully_sharded import FullyShardedDataParallel",
         ("04_fsdp/fully_sharded.py",),
