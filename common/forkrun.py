@@ -74,7 +74,7 @@ def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
 def _rank_main(target: str, is_module: bool, argv: list[str], env: dict[str, str], logs: tuple[str, str],
                cwd: str) -> None:
     """One rank: torchrun's environment, output into the job's two logs, the script as __main__."""
-    gc.freeze()  # the server's imported heap (torch's ~10⁶ objects): a full collection then takes ms, not ~0.4 s
+    gc.freeze()  # the server's imported heap (torch's): a full collection then takes ms, not ~0.4 s
     os.chdir(cwd)
     os.environ.update(env)
     for fd, log in enumerate(logs, start=1):
