@@ -64,7 +64,7 @@ def _worker(rank: int, world_size: int, port: int, conn) -> None:
     import torch
     import torch.distributed as dist
 
-    gc.freeze()  # the imported heap out of the collector's way: _destroy_subgroups' collections take ms, not ~0.4 s
+    gc.freeze()  # the imported heap out of the collector's way: a collection takes ms, not ~0.4 s
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
