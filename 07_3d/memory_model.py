@@ -56,6 +56,7 @@ class Layout:
     recompute: str = "none"     # none | selective | full
     sequence_parallel: bool = True
     cp: int = 1                 # context parallel: ranks sharing each sequence (mesh tp, cp, dp, pp)
+    ep: int = 1                 # expert parallel: of the dp·cp ranks, how many split the experts
 
     @property
     def gpus(self) -> int:
@@ -68,6 +69,7 @@ class Layout:
 
     def describe(self) -> str:
         zero = "FSDP" if self.zero == 3 else (f"ZeRO-{self.zero}" if self.zero else "DDP")
+        zero += f", EP {self.ep}" if self.ep > 1 else ""
         v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
         cp = f" × CP {self.cp}" if self.cp > 1 else ""
         return f"TP {self.tp}{cp} × PP {self.pp}{v} × DP {self.dp} ({zero}), " \
