@@ -167,6 +167,9 @@ def test_moe_compute_is_the_active_parameters_and_skew_slows_the_busiest_rank():
     assert plans[2.0].comm["ep"] == 2 * plans[1.0].comm["ep"]
     assert plans[2.0].times["compute"] > plans[1.0].times["compute"]
     assert plans[1.0].comm["dp"] < comm_bytes_per_gpu(cfg, layout, 4096, 120)["dp"]  # dense count
+    no_ep = dataclasses.replace(layout, ep=1)  # every GPU runs every expert on its own tokens
+    assert (price(cfg, no_ep, 4096, 15360, 80, hw, moe=moe, skew=2.0).step_s
+            == price(cfg, no_ep, 4096, 15360, 80, hw, moe=moe).step_s)
 
 
 def test_ep_inside_a_node_is_cheap_and_across_nodes_is_not():

@@ -130,6 +130,7 @@ def price(cfg: LlamaConfig, layout: Layout, seq_len: int, global_batch: int, gpu
         comm["ep"], a2a_count = 0.0, 0
     else:
         check_ep(moe, layout)
+        skew = skew if layout.ep > 1 else 1.0  # without EP every GPU runs every expert on its tokens
         memory = moe_memory_per_gpu(cfg, moe, layout, seq_len, m, precision, eager_attention)
         flops_token = moe_flops_per_token(cfg, moe, seq_len, skew)
         model_params = moe_parameters(cfg, moe, active=True)
