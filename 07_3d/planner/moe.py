@@ -7,7 +7,7 @@ router sends every token to k, and S shared experts every token passes through; 
 
     parameters   P = L·attn + first_dense·3hH + L_m·(h·E + (E + S)·3h·F_e) + 2Vh
     active       A = the same with E → k experts (the router's h·E still runs for every token)
-    compute      6A + 12·L·h·s per token (PaLM's count on the active parameters); the rank that
+    compute      6A + 12·L·h·s per token (PaLM's count on the active parameters); with EP, the rank that
                  receives the most tokens does skew × the mean expert work, and the step waits
     memory       a GPU holds E/ep experts of each of its MoE blocks (TP-split like a dense FFN);
                  ZeRO shards them over the dp·cp/ep ranks holding the same experts, everything
