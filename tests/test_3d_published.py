@@ -35,6 +35,7 @@ from parallel3d.planner import (
     published_report,
 )
 from parallel3d.planner.moe import moe_flops_per_token, moe_stage_units
+from parallel3d.planner.published import README, published_table, readme_table
 from parallel3d.planner.published_runs import SHAPES
 
 BF16 = [r for r in RUNS if not r.fp8]
@@ -182,17 +183,29 @@ def test_ep_inside_a_node_is_cheap_and_across_nodes_is_not():
     assert t[64] > 4 * t[8]
 
 
-def test_article_table_prices_deepseek_v3s_own_layout(capsys):
+def test_deepseek_v3s_own_layout_is_priced_above_tp8_by_its_all_to_alls(capsys):
     """DeepSeek-V3's PP 16 × EP 64 × ZeRO-1: with the all-to-alls across 8 nodes on the critical
-    path the model prices it above its pick, by its EP term; the report says so."""
-    from parallel3d.planner.report import moe_report
-    lines = "\n".join(moe_report())
-    assert "DeepSeek-V3's layout, priced: TP 1 × PP 16 × DP 128 (ZeRO-1, EP 64)" in lines
-    assert "mixtral-8x7b" in lines and "EP +" in lines
+    path the model prices it above TP 8 × PP 16 × DP 16 (`--article`'s pick), by its EP term.
+    (`--article` plans thousands of layouts; this prices the two.)"""
+    cfg, moe = MOE_MODELS["deepseek-v3"]
+    hw = gpu("H800")
+    theirs, pick = (price(cfg, Layout(tp=t, pp=16, dp=dp, ep=ep, zero=1, sequence_parallel=t > 1),
+                          4096, 15360, 80, hw, moe=moe) for t, dp, ep in ((1, 128, 64), (8, 16, 1)))
+    assert theirs.step_s > 1.2 * pick.step_s
+    assert theirs.times["ep"] > theirs.step_s - pick.step_s > 0 and pick.times["ep"] == 0
     assert main(["--model", "mixtral-8x7b", "--gpus", "8", "--gpu-mem-gb", "141", "--top", "2",
-                 "--skew", "1.5"]) == 0
+                 "--skew", "1.5", "--global-batch", "16"]) == 0
     assert "46.70B parameters (12.88B active)" in capsys.readouterr().out
     assert main(["--model", "mixtral-8x7b", "--skew", "0.5"]) == 2
+
+
+def test_readme_table_is_what_the_planner_prints_now():
+    """07's README shows the published-runs table as the planner prints it, not as typed."""
+    text = README.read_text(encoding="utf-8")
+    assert readme_table(text) == published_table(), (
+        "07_3d/README.md's published-runs table is stale: run "
+        "`python -m parallel3d.planner --published --write-readme` and update the prose around it")
+    assert published_table() in published_report()
 
 
 def test_moe_shape_reads_llama_config_fields():

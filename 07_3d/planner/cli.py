@@ -5,6 +5,7 @@
         --global-batch 128                     # long context: where CP becomes necessary
     python -m parallel3d.planner --article      # the source article's numbers and table
     python -m parallel3d.planner --published    # predicted against published runs
+    python -m parallel3d.planner --published --write-readme   # ... into 07_3d/README.md
     python -m parallel3d.planner --model deepseek-v3 --gpus 2048 --gpu H800 --global-batch 15360
 """
 
@@ -16,7 +17,7 @@ from parallel3d.memory_model import GB, PRECISIONS, total_parameters
 from parallel3d.planner.hardware import GPUS, gpu
 from parallel3d.planner.moe import moe_parameters
 from parallel3d.planner.pricing import MODELS, MOE_MODELS, model_of, plan, recommend
-from parallel3d.planner.published import published_report
+from parallel3d.planner.published import README, published_report, write_readme
 from parallel3d.planner.report import (
     article_alternative,
     article_report,
@@ -50,6 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--article", action="store_true", help="print the article's numbers and table")
     p.add_argument("--published", action="store_true",
                    help="price published runs at their layouts, beside their measured throughput")
+    p.add_argument("--write-readme", action="store_true",
+                   help="with --published: rewrite 07_3d/README.md's generated table")
     return p.parse_args(argv)
 
 
@@ -59,7 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         print(article_report())
         return 0
     if args.published:
-        print(published_report())
+        if args.write_readme:
+            print(f"{README}: {'rewritten' if write_readme() else 'up to date'}")
+        else:
+            print(published_report())
         return 0
     cfg, moe = model_of(args.model)
     batch = args.global_batch or max(1, 4 * 2**20 // args.seq_len)

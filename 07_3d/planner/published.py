@@ -13,8 +13,10 @@ prices (a bf16 peak) and are only expected to come out below it.
 
 from __future__ import annotations
 
+import re
 import textwrap
 from dataclasses import dataclass
+from pathlib import Path
 
 from common.model import LlamaConfig
 from parallel3d.memory_model import Layout, total_parameters
@@ -90,9 +92,9 @@ def compare(efficiency: float | None = None) -> list[Comparison]:
     return [price_published(run, efficiency) for run in RUNS]
 
 
-def published_report() -> str:
-    """The table: each run's layout, published and predicted figure, their ratio, the step's
-    largest overheads, and the sources."""
+def published_table() -> str:
+    """Each run's layout, published and predicted figure, their ratio, the step's largest
+    overheads: the block 07's README shows (`write_readme` puts it there; a test compares)."""
     head = (f"{'run':<34}{'GPUs':>6} {'layout':<34}{'figure':<22}{'published':>10}{'predicted':>10}"
             f"{'ratio':>7}  priced overheads")
     lines = [head, "-" * len(head)]
@@ -111,6 +113,13 @@ def published_report() -> str:
         mark = " FP8" if r.fp8 else ""
         lines.append(f"{r.name:<34}{r.gpus:>6} {layout:<34}{unit + mark:<22}{r.value:>10.0f}"
                      f"{c.predicted:>10.0f}{c.ratio:>7.2f}  {top}")
+    return "\n".join(lines)
+
+
+def published_report() -> str:
+    """The table, the figures' definitions, the band, what was assumed, the sources, what was
+    left out."""
+    lines = [published_table()]
     notes = [*(f"{k}: {v[0]}" for k, v in FIGURES.items()),
              f"ratio = predicted / published; the test holds the bf16 runs within ±{BAND:.0%}; FP8 runs "
              "are priced at the bf16 peak. Layout: Z the ZeRO level (0 DDP, 3 FSDP), then the "
@@ -131,3 +140,24 @@ def published_report() -> str:
               *(textwrap.fill(why, 110, initial_indent="  ", subsequent_indent="    ",
                               break_on_hyphens=False) for why in LEFT_OUT)]
     return "\n".join(lines)
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+MARKER = "<!-- generated: python -m parallel3d.planner --published --write-readme; checked by tests -->"
+
+
+def readme_table(text: str) -> str | None:
+    """The fenced block after `MARKER` in a README's text, or None."""
+    match = re.search(re.escape(MARKER) + r"\n```\n(.*?)\n```", text, re.S)
+    return match.group(1) if match else None
+
+
+def write_readme(path: Path = README) -> bool:
+    """Put the current `published_table` in the README's generated block; whether it changed."""
+    text = path.read_text(encoding="utf-8")
+    old = readme_table(text)
+    if old is None:
+        raise ValueError(f"{path}: no block after {MARKER!r}: add the marker and an empty ``` block")
+    new = text.replace(f"{MARKER}\n```\n{old}\n```", f"{MARKER}\n```\n{published_table()}\n```")
+    path.write_text(new, encoding="utf-8")
+    return new != text
