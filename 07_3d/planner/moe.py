@@ -187,7 +187,9 @@ def dp_groups(cfg: LlamaConfig, moe: MoEShape, layout: Layout) -> list[tuple[int
 def all_to_all_bytes(cfg: LlamaConfig, moe: MoEShape, layout: Layout, seq_len: int,
                      microbatches: int, elem: int = 2, skew: float = 1.0) -> float:
     """Bytes the busiest EP rank sends per step: its stage's MoE blocks × m micro-batches × 4
-    all-to-alls (6 under full recomputation) of (ep-1)/ep · T·k·h·e, × skew."""
+    all-to-alls (6 under full recomputation: assumed, until an EP meter says, that the gate
+    product after the combine saves its input, so the rerun goes through both) of
+    (ep-1)/ep · T·k·h·e, × skew."""
     if layout.ep == 1:
         return 0.0
     stages = moe_stage_units(cfg, moe, layout.tp, layout.pp, layout.ep)
