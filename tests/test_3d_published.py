@@ -57,7 +57,8 @@ def test_every_run_has_a_source_and_a_defined_figure():
 @pytest.mark.parametrize("run", BF16, ids=[r.name for r in BF16])
 def test_bf16_run_predicted_within_the_band(run):
     c = price_published(run)
-    assert abs(c.ratio - 1) <= BAND, f"{run.name}: predicted {c.predicted:.1f}, published {run.value}"
+    assert abs(c.ratio - 1) <= BAND, (f"{run.name}: predicted {c.predicted:.1f}, published {run.value} "
+                                      f"({run.figure}; {run.source.title}, {run.source.where})")
 
 
 def test_fp8_runs_are_predicted_below_published():
