@@ -31,12 +31,8 @@ import torch
 from fsdp.formulas import unit_comm_bytes, unit_traffic
 from fsdp.wrap import ShardingStrategy
 from parallel3d.accounting import Rank3D
+from parallel3d.memory_model import RECOMPUTED
 from tensor_parallel.formulas import Shape, cp_comm_bytes, microbatch_comm_bytes
-
-# Forward collectives a recomputed block runs again, (all-gathers or f's, reduce-scatters or g's).
-# Non-reentrant torch.utils.checkpoint stops recomputing once every saved tensor is back, so the
-# region's last row-parallel reduction (its output is not saved) is not rerun.
-RECOMPUTED = {"none": (0, 0), "selective": (0, 0), "full": (2, 1)}
 
 
 def ring(n: int, factor: float = 1.0) -> float:

@@ -56,6 +56,7 @@ class Layout:
     recompute: str = "none"     # none | selective | full
     sequence_parallel: bool = True
     cp: int = 1                 # context parallel: ranks sharing each sequence (mesh tp, cp, dp, pp)
+    ep: int = 1                 # expert parallel: of the dp·cp ranks, how many split the experts
 
     @property
     def gpus(self) -> int:
@@ -68,6 +69,7 @@ class Layout:
 
     def describe(self) -> str:
         zero = "FSDP" if self.zero == 3 else (f"ZeRO-{self.zero}" if self.zero else "DDP")
+        zero += f", EP {self.ep}" if self.ep > 1 else ""
         v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
         cp = f" × CP {self.cp}" if self.cp > 1 else ""
         return f"TP {self.tp}{cp} × PP {self.pp}{v} × DP {self.dp} ({zero}), " \
@@ -239,6 +241,13 @@ def memory_per_gpu(cfg: LlamaConfig, layout: Layout, seq_len: int, microbatches:
     return out
 
 
+# Forward collectives a recomputed block runs again: (all-gathers or f's, reduce-scatters or g's).
+# Non-reentrant torch.utils.checkpoint stops recomputing once every saved tensor is back, so the
+# block's last row-parallel reduction (its output, the block's, is not saved) is not rerun: full
+# recomputation adds 1 all-reduce (a g; f is the identity forward), or under SP 2 all-gathers and
+# 1 reduce-scatter; selective reruns only the core attention, between the collectives.
+RECOMPUTED = {"none": (0, 0), "selective": (0, 0), "full": (2, 1)}
+
 def ring_bytes(cfg: LlamaConfig, layout: Layout, seq_len: int, elem: int) -> dict[str, float]:
     """Bytes one CP rank sends per block and micro-batch in each pass of ring attention (chapter
     05's `cp_comm_bytes`): cp - 1 K/V blocks of 2·mb·(kv/t)·(s/cp)·head_dim elements (GQA's
@@ -257,7 +266,8 @@ def comm_bytes_per_gpu(cfg: LlamaConfig, layout: Layout, seq_len: int,
     """Bytes one GPU puts on the wire per optimizer step (nccl-tests conventions), per dimension.
 
     TP: 4 all-reduces (or all-gather + reduce-scatter pairs under SP: the same bytes) of the
-        [b, s/cp, h] activations per block per micro-batch, 2(t-1)/t each; full recompute adds 2.
+        [b, s/cp, h] activations per block per micro-batch, 2(t-1)/t each; full recompute reruns
+        `RECOMPUTED`: +1 all-reduce (SP: +2 all-gathers + 1 reduce-scatter, (t-1)/t each).
     CP: ring attention's K/V blocks and dK/dV home, `ring_bytes` per block per micro-batch.
     PP: one activation forward and one gradient backward per micro-batch (interior stages).
     DP: all-reduce of the gradients 2(d-1)/d·ψ·g (DDP), or reduce-scatter of the gradients and
@@ -272,8 +282,9 @@ def comm_bytes_per_gpu(cfg: LlamaConfig, layout: Layout, seq_len: int,
     t, p, d, m = layout.tp, layout.pp, layout.shards, microbatches
     act = local_tokens(layout, seq_len) * cfg.dim * elem
     layers = math.ceil(cfg.n_layers / p)
-    collectives = 4 + (2 if layout.recompute == "full" else 0)
-    tp_bytes = collectives * layers * m * act * 2 * (t - 1) / t if t > 1 else 0.0
+    gathers, reductions = RECOMPUTED[layout.recompute]
+    rerun = gathers + reductions if layout.sequence_parallel else 2 * reductions
+    tp_bytes = (8 + rerun) * layers * m * act * (t - 1) / t if t > 1 else 0.0
     cp_bytes = layers * m * sum(ring_bytes(cfg, layout, seq_len, elem).values())
     pp_bytes = 2 * m * act if p > 1 else 0.0
     psi = parameters_per_gpu(cfg, t, p)

@@ -172,6 +172,23 @@ def test_cp_ring_bytes_are_chapter_05s_and_states_shard_over_dp_times_cp():
     assert mem["optimizer"] == memory_per_gpu(cfg, Layout(tp=8, dp=8, zero=3), s, 1)["optimizer"]
 
 
+@pytest.mark.parametrize("sp", [False, True])
+def test_full_recompute_reruns_the_trainers_collectives(sp):
+    """Full recomputation reruns a block's forward only up to its last saved tensor: +1
+    all-reduce per block and micro-batch (SP: +2 all-gathers + 1 reduce-scatter), the trainer's
+    count (comm_formulas, checked against the meter), not +2 all-reduces."""
+    from parallel3d.comm_formulas import tp_bytes_per_microbatch
+    cfg, s, t = MODELS["llama2-70b"], 4096, 8
+    a = s * cfg.dim * 2  # one micro-batch's [1, s, h] bf16 activations
+    planner = {ac: comm_bytes_per_gpu(cfg, Layout(tp=t, recompute=ac, sequence_parallel=sp), s, 1)["tp"]
+               for ac in ("none", "full")}
+    trainer = {ac: tp_bytes_per_microbatch(cfg, t, 1, s, 2, sp, ac, cfg.n_layers, False, False)
+               for ac in ("none", "full")}
+    rerun = cfg.n_layers * (3 if sp else 2) * (t - 1) / t * a  # SP: 3 × (t-1)/t; else 2(t-1)/t
+    assert trainer["full"] - trainer["none"] == pytest.approx(rerun, rel=1e-12)
+    assert planner["full"] - planner["none"] == pytest.approx(rerun, rel=1e-12)
+
+
 @functools.cache
 def long_context_1024() -> list:
     """405B at 128K on 1,024 GPUs, 16M tokens (128 sequences) per step."""

@@ -39,31 +39,41 @@ from parallel3d.memory_model import (
     ring_bytes,
     total_parameters,
 )
+from parallel3d.planner.hardware import Hardware
+from parallel3d.planner.moe import (
+    MoEShape,
+    all_to_all_bytes,
+    all_to_alls_per_step,
+    check_ep,
+    dp_groups,
+    moe_flops_per_token,
+    moe_memory_per_gpu,
+    moe_parameters,
+    moe_shape,
+)
 
 # A LLaMA-shaped model for the article's 70B-200B row (GPT-3's width and depth, LLaMA's blocks).
 PLANNING_SHAPES: dict[str, LlamaConfig] = {
     "llama-175b-shape": LlamaConfig(dim=12288, n_layers=96, n_heads=96, n_kv_heads=8,
                                     vocab_size=32000, multiple_of=4096, max_seq_len=4096),
 }
-MODELS = {**CONFIGS, **PLANNING_SHAPES}
-
-
-@dataclass(frozen=True)
-class Hardware:
-    peak_tflops: float = 989.0      # H100 SXM bf16 dense
-    efficiency: float = 0.5         # achievable fraction of peak in the matmuls
-    nvlink_gbps: float = 450.0      # per GPU, one direction, inside a node
-    network_gbps: float = 50.0      # per GPU between nodes (400 Gb/s NIC per GPU)
-    latency_us: float = 5.0         # α of one network hop
-    gpus_per_node: int = 8
-    pod_gpus: int = 3072            # GPUs under one aggregation layer (Llama 3's cluster) ...
-    oversubscription: float = 7.0   # ... and the bandwidth division beyond it (1:7)
-
-    def bandwidth(self, span: int) -> float:
-        """Bytes/s per GPU of a collective whose ranks span `span` consecutive GPUs."""
-        if span <= self.gpus_per_node:
-            return self.nvlink_gbps * GB
-        return self.network_gbps * GB / (1.0 if span <= self.pod_gpus else self.oversubscription)
+MODELS = {name: cfg for name, cfg in {**CONFIGS, **PLANNING_SHAPES}.items() if moe_shape(cfg) is None}
+# Mixture-of-experts shapes (the dense parts as a LlamaConfig, the experts as MoEShape); configs
+# of common/model.py that carry MoE fields are read by `moe_shape` and take precedence.
+# Mixtral 8x7B (its Hugging Face config): 46.7B parameters, 12.9B active.
+# DeepSeek-V3 (its inference/configs/config_671B.json), with 128-head MHA (head_dim 56) in place
+# of MLA: 205.5M attention weights a block against MLA's 187.1M, so 672.1B total and 38.7B active
+# against the report's 671B and 37B; its multi-token-prediction module is not counted.
+MOE_MODELS: dict[str, tuple[LlamaConfig, MoEShape]] = {
+    "mixtral-8x7b": (LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
+                                 multiple_of=1024, ffn_dim_multiplier=1.3, max_seq_len=32768),
+                     MoEShape(n_experts=8, top_k=2, moe_hidden_dim=14336)),
+    "deepseek-v3": (LlamaConfig(dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, vocab_size=129280,
+                                multiple_of=1024, ffn_dim_multiplier=0.96, max_seq_len=4096),
+                    MoEShape(n_experts=256, top_k=8, moe_hidden_dim=2048, n_shared_experts=1,
+                             first_dense_layers=3)),
+    **{name: (cfg, moe_shape(cfg)) for name, cfg in CONFIGS.items() if moe_shape(cfg) is not None},
+}
 
 
 @dataclass
@@ -79,36 +89,62 @@ class Plan:
 
 
 def model_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
-    """PaLM's count: 6N for the matmuls forward and backward + 12·L·h·s for attention."""
-    return 6 * total_parameters(cfg) + 12 * cfg.n_layers * cfg.dim * seq_len
+    """PaLM's count: 6N for the matmuls forward and backward + 12·L·h·s for attention, N without
+    the input embedding (a lookup, no matmul; the output head is one)."""
+    return 6 * (total_parameters(cfg) - cfg.vocab_size * cfg.dim) + 12 * cfg.n_layers * cfg.dim * seq_len
 
 
-def recompute_fraction(cfg: LlamaConfig, recompute: str, seq_len: int) -> float:
+def recompute_fraction(cfg: LlamaConfig, recompute: str, seq_len: int,
+                       flops_per_token: float | None = None) -> float:
     """Extra compute over forward+backward (= 3 forwards): a whole forward (1/3) for full
     recompute; for selective the core attention's forward, QKᵀ and ·V: 4·L·h·s per token."""
     if recompute == "full":
         return 1 / 3
     if recompute == "selective":
-        return 4 * cfg.n_layers * cfg.dim * seq_len / model_flops_per_token(cfg, seq_len)
+        return 4 * cfg.n_layers * cfg.dim * seq_len / (flops_per_token or model_flops_per_token(cfg, seq_len))
     return 0.0
+
+
+def model_of(name: str) -> tuple[LlamaConfig, MoEShape | None]:
+    """A planner model by name: its config and, for a mixture of experts, its MoE shape."""
+    if name in MOE_MODELS:
+        return MOE_MODELS[name]
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}: use one of {', '.join([*MODELS, *MOE_MODELS])}")
+    return MODELS[name], None
 
 
 def price(cfg: LlamaConfig, layout: Layout, seq_len: int, global_batch: int, gpu_mem_gb: float,
           hw: Hardware, precision: str = "mixed", headroom: float = 0.9,
-          eager_attention: bool = False) -> Plan:
-    """Memory, communication and estimated step time of one candidate."""
+          eager_attention: bool = False, moe: MoEShape | None = None, skew: float = 1.0) -> Plan:
+    """Memory, communication and estimated step time of one candidate; for a mixture of experts
+    (`moe`), with skew = max/mean tokens per expert rank (moe.py)."""
     m = global_batch // (layout.dp * layout.micro_batch)
-    memory = memory_per_gpu(cfg, layout, seq_len, m, precision, eager_attention)
+    d, t, c, p_ = layout.shards, layout.tp, layout.cp, layout.pp
     comm = comm_bytes_per_gpu(cfg, layout, seq_len, m, precision)
+    w, g, _ = PRECISIONS[precision]
+    if moe is None:
+        memory = memory_per_gpu(cfg, layout, seq_len, m, precision, eager_attention)
+        flops_token, model_params = model_flops_per_token(cfg, seq_len), total_parameters(cfg)
+        groups = [(parameters_per_gpu(cfg, t, p_), d)]
+        comm["ep"], a2a_count = 0.0, 0
+    else:
+        check_ep(moe, layout)
+        skew = skew if layout.ep > 1 else 1.0  # without EP every GPU runs every expert on its tokens
+        memory = moe_memory_per_gpu(cfg, moe, layout, seq_len, m, precision, eager_attention)
+        flops_token = moe_flops_per_token(cfg, moe, seq_len, skew)
+        model_params = moe_parameters(cfg, moe, active=True)
+        groups = dp_groups(cfg, moe, layout)
+        per_element = {0: 2 * g, 1: g + w, 2: m * g + w, 3: m * (2 * w + g)}[layout.zero]
+        comm["dp"] = sum(per_element * (n - 1) / n * psi for psi, n in groups if n > 1)
+        comm["ep"] = all_to_all_bytes(cfg, moe, layout, seq_len, m, ACT_BYTES[precision], skew)
+        a2a_count = all_to_alls_per_step(cfg, moe, layout, m)
     tokens = global_batch * seq_len
-    flops = model_flops_per_token(cfg, seq_len) * tokens
-    compute = flops * (1 + recompute_fraction(cfg, layout.recompute, seq_len)) / (
+    compute = flops_token * tokens * (1 + recompute_fraction(cfg, layout.recompute, seq_len, flops_token)) / (
         layout.gpus * hw.peak_tflops * 1e12 * hw.efficiency)
     bubble = (layout.pp - 1) / (layout.virtual_stages * m)
-    d, t, c, p_ = layout.shards, layout.tp, layout.cp, layout.pp
-    # DP (over dp·cp) strides t, CP strides t, PP strides t·cp·dp
+    # DP (over dp·cp) strides t, CP and EP stride t, PP strides t·cp·dp
     dp_bw, cp_bw, pp_bw = hw.bandwidth(t * d), hw.bandwidth(t * c), hw.bandwidth(layout.gpus)
-    ring = (d - 1) / d if d > 1 else 0.0
     alpha = 0.0 if t * d <= hw.gpus_per_node else 2 * (d - 1) * hw.latency_us * 1e-6
     layers = math.ceil(cfg.n_layers / p_)
     units = layers + 1  # one collective per block (+ embedding/head)
@@ -122,16 +158,15 @@ def price(cfg: LlamaConfig, layout: Layout, seq_len: int, global_batch: int, gpu
     cp_exposed = layers * m * sum(max(0.0, sent / cp_bw + hop - behind[k]) for k, sent in
                                   ring_bytes(cfg, layout, seq_len, ACT_BYTES[precision]).items()
                                   if sent)
-    psi = comm["dp"] and parameters_per_gpu(cfg, t, p_)
-    w, g, _ = PRECISIONS[precision]
     per_mb = compute / m
     # Accumulated gradients (DDP, ZeRO-1) are final after the last micro-batch's backward: only
     # that backward (2/3 of its compute) hides their reduction; sharded ones (ZeRO-2/3) are
     # reduce-scattered by every micro-batch, behind its own backward. ZeRO-1/2's parameter
     # all-gather hides behind the next step's first forward (1/3); ZeRO-3 gathers twice in
-    # every micro-batch, behind that micro-batch.
-    grad_s = (ring * psi * g * (2 if layout.zero == 0 else 1)) / dp_bw + units * alpha
-    gather_s = ring * psi * w / dp_bw + units * alpha
+    # every micro-batch, behind that micro-batch. An MoE's experts reduce over dp·cp/ep ranks.
+    ring = sum((n - 1) / n * psi for psi, n in groups if n > 1) if comm["dp"] else 0.0
+    grad_s = (ring * g * (2 if layout.zero == 0 else 1)) / dp_bw + units * alpha
+    gather_s = ring * w / dp_bw + units * alpha
     if layout.zero <= 1:
         exposed = max(0.0, grad_s - 2 / 3 * per_mb)
     elif layout.zero == 2:
@@ -140,6 +175,9 @@ def price(cfg: LlamaConfig, layout: Layout, seq_len: int, global_batch: int, gpu
         exposed = m * max(0.0, grad_s + 2 * gather_s - per_mb)
     if layout.zero in (1, 2):
         exposed += max(0.0, gather_s - per_mb / 3)
+    # EP: the all-to-alls sit between the router and the experts, on the critical path (no
+    # overlap priced); an EP group spans t·ep GPUs, each all-to-all pays one latency across nodes.
+    a2a_hop = 0.0 if t * layout.ep <= hw.gpus_per_node else hw.latency_us * 1e-6
     times = {
         "compute": compute * (1 + bubble),
         "bubble": compute * bubble,
@@ -147,9 +185,11 @@ def price(cfg: LlamaConfig, layout: Layout, seq_len: int, global_batch: int, gpu
         "cp_exposed": cp_exposed,
         "pp": comm["pp"] / pp_bw,
         "dp_exposed": exposed,
+        "ep": comm["ep"] / hw.bandwidth(t * layout.ep) + a2a_count * a2a_hop,
     }
-    step = times["compute"] + times["tp"] + times["cp_exposed"] + times["pp"] + exposed
-    mfu = 6 * total_parameters(cfg) * tokens / (step * layout.gpus * hw.peak_tflops * 1e12)
+    step = (times["compute"] + times["tp"] + times["cp_exposed"] + times["pp"] + exposed
+            + times["ep"])
+    mfu = 6 * model_params * tokens / (step * layout.gpus * hw.peak_tflops * 1e12)
     fits = memory["total"] <= headroom * gpu_mem_gb * GB
     return Plan(layout, m, memory, comm, step, mfu, fits, times)
 
@@ -161,12 +201,13 @@ def divisors(n: int) -> list[int]:
 def candidates(cfg: LlamaConfig, gpus: int, global_batch: int, hw: Hardware, seq_len: int,
                micro_batches=(1, 2, 4, 8), zero_levels=(0, 1, 2, 3),
                recompute=("none", "selective", "full"),
-               context_parallel=(1, 2, 4, 8, 16, 32)) -> list[Layout]:
+               context_parallel=(1, 2, 4, 8, 16, 32), experts: int = 0) -> list[Layout]:
     """Every layout the model and the cluster admit: TP inside a node dividing the heads, KV heads
     and vocabulary; PP at most one block per stage (uneven stages allowed, as Llama 3's 126
     layers on 16 stages) and at least p micro-batches to fill them (fewer leave a bubble
     (p-1)/m ≥ 1); CP whose 2·cp zig-zag chunks divide the sequence; the global batch divisible
-    by dp·micro-batch; interleaving needs the micro-batch count divisible by p."""
+    by dp·micro-batch; interleaving needs the micro-batch count divisible by p; with `experts`
+    (an MoE), EP dividing both dp·cp and the experts."""
     out = []
     for tp in divisors(min(gpus, hw.gpus_per_node)):
         if cfg.n_heads % tp or cfg.n_kv_heads % tp or cfg.vocab_size % tp:
@@ -186,33 +227,38 @@ def candidates(cfg: LlamaConfig, gpus: int, global_batch: int, hw: Hardware, seq
                         continue
                     vs = [1] + [v for v in (2, 4, 8)
                                 if pp > 1 and m % pp == 0 and pp * v <= cfg.n_layers]
-                    for v, zero, ac in itertools.product(
-                            vs, zero_levels if dp * cp > 1 else (0,), recompute):
+                    eps = [e for e in divisors(dp * cp) if experts % e == 0] if experts else [1]
+                    for v, zero, ac, ep in itertools.product(
+                            vs, zero_levels if dp * cp > 1 else (0,), recompute, eps):
                         out.append(Layout(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=mb,
                                           virtual_stages=v, recompute=ac,
-                                          sequence_parallel=tp > 1, cp=cp))
+                                          sequence_parallel=tp > 1, cp=cp, ep=ep))
     return out
 
 
 def plan(cfg: LlamaConfig, gpus: int, gpu_mem_gb: float, seq_len: int, global_batch: int,
          hw: Hardware | None = None, precision: str = "mixed", headroom: float = 0.9,
-         eager_attention: bool = False) -> list[Plan]:
-    """All candidates priced, the fitting ones first, fastest first (then smallest footprint)."""
+         eager_attention: bool = False, moe: MoEShape | None = None, skew: float = 1.0,
+         **space) -> list[Plan]:
+    """All candidates priced, the fitting ones first, fastest first (then smallest footprint);
+    `space` narrows `candidates` (e.g. context_parallel=(1,))."""
     hw = hw or Hardware()
+    layouts = candidates(cfg, gpus, global_batch, hw, seq_len, experts=moe.n_experts if moe else 0,
+                         **space)
     plans = [price(cfg, layout, seq_len, global_batch, gpu_mem_gb, hw, precision, headroom,
-                   eager_attention)
-             for layout in candidates(cfg, gpus, global_batch, hw, seq_len)]
+                   eager_attention, moe, skew) for layout in layouts]
     return sorted(plans, key=lambda p: (not p.fits, round(p.step_s, 3), p.memory["total"]))
 
 
 def complexity(layout: Layout) -> tuple:
     """What a layout costs in engineering, least first: no context parallelism (the rule of
-    thumb: only when a sequence's activations outgrow a GPU), no pipeline, no interleaving, no
-    recomputation (it spends compute on memory: worth it only when nothing lighter fits), less
-    TP, fewer stages, less CP."""
+    thumb: only when a sequence's activations outgrow a GPU), no expert parallelism (a token
+    dispatcher and all-to-alls), no pipeline, no interleaving, no recomputation (it spends
+    compute on memory: worth it only when nothing lighter fits), less TP, less EP, fewer stages,
+    less CP."""
     ac = ("none", "selective", "full").index(layout.recompute)
-    return (layout.cp > 1, layout.pp > 1, layout.virtual_stages > 1, ac, layout.tp, layout.pp,
-            layout.cp)
+    return (layout.cp > 1, layout.ep > 1, layout.pp > 1, layout.virtual_stages > 1, ac, layout.tp,
+            layout.ep, layout.pp, layout.cp)
 
 
 def recommend(plans: list[Plan], tolerance: float = 0.05) -> Plan | None:
@@ -236,10 +282,10 @@ def recommend(plans: list[Plan], tolerance: float = 0.05) -> Plan | None:
 
 def step_terms(p: Plan) -> dict[str, float]:
     """A plan's step time by term: work (compute and recomputation), bubble, TP, exposed CP, PP,
-    exposed DP."""
+    exposed DP, EP's all-to-alls."""
     t = p.times
     return {"work": t["compute"] - t["bubble"], "bubble": t["bubble"], "TP": t["tp"],
-            "CP": t["cp_exposed"], "PP": t["pp"], "DP": t["dp_exposed"]}
+            "CP": t["cp_exposed"], "PP": t["pp"], "DP": t["dp_exposed"], "EP": t["ep"]}
 
 
 def fastest_with_cp(plans: list[Plan]) -> Plan | None:

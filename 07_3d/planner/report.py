@@ -10,12 +10,16 @@ import math
 
 from common.model import LlamaConfig
 from parallel3d.memory_model import GB, Layout, memory_per_gpu, total_parameters
+from parallel3d.planner.hardware import gpu
+from parallel3d.planner.moe import moe_parameters
 from parallel3d.planner.pricing import (
     MODELS,
     Plan,
     fastest_with_cp,
     fastest_with_mesh,
+    model_of,
     plan,
+    price,
     recommend,
     step_terms,
 )
@@ -72,34 +76,38 @@ def article_scenario(cfg: LlamaConfig, gpus: int, zero: int) -> dict[str, float]
 
 
 def format_plans(plans: list[Plan], top: int) -> str:
-    head = (f"{'tp':>3}{'cp':>4}{'pp':>4}{'v':>3}{'dp':>6}{'zero':>6}{'mb':>4}{'m':>5}{'AC':>10} |"
+    head = (f"{'tp':>3}{'cp':>4}{'pp':>4}{'v':>3}{'dp':>6}{'ep':>4}{'zero':>6}{'mb':>4}{'m':>5}{'AC':>10} |"
             f"{'weights':>8}{'grads':>7}{'optim':>7}{'activ':>7}{'total':>7} GB |"
-            f"{'TP':>8}{'CP':>7}{'PP':>7}{'DP':>8} GB/step |{'step s':>8}{'MFU':>6}  fits")
+            f"{'TP':>8}{'CP':>7}{'PP':>7}{'DP':>8}{'EP':>7} GB/step |{'step s':>8}{'MFU':>6}  fits")
     lines = [head, "-" * len(head)]
     for p in plans[:top]:
         lo = p.layout
         mem, c = {k: v / GB for k, v in p.memory.items()}, {k: v / GB for k, v in p.comm.items()}
         lines.append(
-            f"{lo.tp:>3}{lo.cp:>4}{lo.pp:>4}{lo.virtual_stages:>3}{lo.dp:>6}{lo.zero:>6}"
+            f"{lo.tp:>3}{lo.cp:>4}{lo.pp:>4}{lo.virtual_stages:>3}{lo.dp:>6}{lo.ep:>4}{lo.zero:>6}"
             f"{lo.micro_batch:>4}{p.microbatches:>5}{lo.recompute:>10} |{mem['weights']:>8.1f}"
             f"{mem['grads']:>7.1f}{mem['optimizer']:>7.1f}{mem['activations']:>7.1f}"
             f"{mem['total']:>7.1f}    |{c['tp']:>8.1f}{c['cp']:>7.1f}{c['pp']:>7.2f}{c['dp']:>8.1f}"
+            f"{c['ep']:>7.1f}"
             f"         |{p.step_s:>8.2f}{p.mfu:>6.0%}  {'yes' if p.fits else 'no'}")
     return "\n".join([*lines, "", LEGEND])
 
 
 LEGEND = """\
 tp, cp, pp, dp: tensor-, context-, pipeline- and data-parallel degrees (GPUs = tp·cp·pp·dp; mesh
-  order tp, cp, dp, pp, innermost first); v: virtual stages per GPU (interleaved 1F1B when > 1,
-  "v8" in a layout's name); zero: 0 DDP, 1 and 2 ZeRO-1/2, 3 FSDP (ZeRO-3), sharded over dp·cp;
+  order tp, cp, dp, pp, innermost first); ep: of the dp·cp ranks, how many split a mixture of
+  experts' experts (expert parallelism; 1 for a dense model); v: virtual stages per GPU
+  (interleaved 1F1B when > 1, "v8" in a layout's name); zero: 0 DDP, 1 and 2 ZeRO-1/2, 3 FSDP
+  (ZeRO-3), sharded over dp·cp (an MoE's experts over dp·cp/ep);
   mb: sequences per micro-batch (s/cp tokens of each on a GPU); m: micro-batches per replica
   per step; AC: activation recomputation ("AC none": every block keeps its activations;
   selective: the core attention (QKᵀ, softmax, ·V) is rerun, see recompute.py; full: a block
   keeps only its input).
 GB: per GPU of the busiest pipeline stage (weights, grads, optimizer state, saved activations);
-  GB/step: bytes each GPU sends per step along each dimension; step s: the modelled step time
-  (compute + bubble + TP + exposed CP, PP, DP); MFU: 6N·tokens / (step·GPUs·peak), attention's
-  FLOPs not counted (at 128K they outweigh 6N); fits: total ≤ headroom × GPU memory."""
+  GB/step: bytes each GPU sends per step along each dimension (EP: the busiest rank's
+  all-to-alls); step s: the modelled step time (compute + bubble + TP + exposed CP, PP, DP + EP);
+  MFU: 6N·tokens / (step·GPUs·peak), N the active parameters of an MoE, attention's FLOPs not
+  counted (at 128K they outweigh 6N); fits: total ≤ headroom × GPU memory."""
 
 
 def cp_verdict(plans: list[Plan], best: Plan | None) -> str:
@@ -153,7 +161,29 @@ def article_report() -> str:
     if best and llama3:
         lines.append(f"  Llama 3's TP {mesh[0]} × CP {mesh[1]} × PP {mesh[2]}, priced: "
                      f"{why_not(best, llama3)}")
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *moe_report()])
+
+
+def moe_report() -> list[str]:
+    """The mixture-of-experts rows: the planner's pick, and the published layout priced."""
+    lines = ["mixture of experts (EP borrows ranks from DP; all-to-alls priced on the critical "
+             "path, balanced routing):"]
+    for name, gpus, hw_name, seq, batch, published, label in MOE_SCENARIOS:
+        cfg, moe = model_of(name)
+        hw = gpu(hw_name)
+        plans = plan(cfg, gpus, 80, seq, batch, hw, moe=moe, context_parallel=(1,))
+        best = recommend(plans)
+        size = (f"{moe_parameters(cfg, moe) / 1e9:.1f}B, {moe_parameters(cfg, moe, True) / 1e9:.1f}B "
+                "active")
+        pick = best.layout.describe() if best else "nothing fits"
+        lines.append(f"  {name:<13} {gpus:>5} {hw_name}: {pick:<49} | {size}; {label}")
+        if best and published:
+            theirs = price(cfg, published, seq, batch, 80, hw, moe=moe)
+            lines.append(f"    {label.split(':')[0]}'s layout, priced: {why_not(best, theirs)}")
+        ep = min((p for p in plans if p.fits and p.layout.ep > 1), key=lambda p: p.step_s, default=None)
+        if best and ep and best.layout.ep == 1:
+            lines.append(f"    the fastest with EP: {why_not(best, ep)}")
+    return lines
 
 
 # (model, GPUs, seq_len, global batch in sequences): one scenario per row of the article's table.
@@ -163,6 +193,15 @@ TABLE_SCENARIOS = [
     ("llama2-70b", 64, 4096, 1024),
     ("llama-175b-shape", 256, 4096, 1024),
     ("llama3.1-405b", 16384, 8192, 2048),
+]
+# (model, GPUs, GPU, seq_len, global batch, the published layout or None, what is known of it)
+MOE_SCENARIOS = [
+    ("mixtral-8x7b", 64, "H100", 4096, 1024, None, "not in the article; no training layout published"),
+    ("deepseek-v3", 2048, "H800", 4096, 15360,
+     Layout(tp=1, pp=16, dp=128, ep=64, zero=1, micro_batch=1, recompute="none",
+            sequence_parallel=False),
+     "DeepSeek-V3: the article's 671B MoE on 2,048 H800s, run as PP 16 × EP 64 × ZeRO-1, no TP "
+     "(its report)"),
 ]
 # Llama 3 405B's long-context stage (Llama 3 paper, Table 4): 16,384 GPUs, 16M tokens per step
 # of 128K-token sequences, on a TP 8 × CP 16 × PP 16 mesh.

@@ -1,0 +1,225 @@
+"""Chapter 07's planner against published training runs, and its mixture-of-experts pricing.
+
+The band: the step-time model runs every matmul at one achieved efficiency (half the peak), puts
+TP's collectives on the critical path and ignores kernel efficiency at small GEMMs; the bf16
+runs it prices reach from a third to 58% of their peak. A model with one efficiency cannot land
+closer than the spread of those: ±30% of the published figure is what it is held to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from common.model import CONFIGS, build_model, count_parameters
+from parallel3d.memory_model import Layout, comm_bytes_per_gpu, total_parameters
+from parallel3d.planner import (
+    ACHIEVED_EFFICIENCY,
+    BAND,
+    FIGURES,
+    GPUS,
+    MODELS,
+    MOE_MODELS,
+    RUNS,
+    MoEShape,
+    all_to_all_bytes,
+    compare,
+    gpu,
+    main,
+    moe_memory_per_gpu,
+    moe_parameters,
+    moe_shape,
+    price,
+    price_published,
+    published_report,
+)
+from parallel3d.planner.moe import moe_flops_per_token, moe_stage_units
+from parallel3d.planner.published import README, published_table, readme_table
+from parallel3d.planner.published_runs import SHAPES
+
+BF16 = [r for r in RUNS if not r.fp8]
+
+
+# --- published runs -------------------------------------------------------------------------------
+
+def test_every_run_has_a_source_and_a_defined_figure():
+    for r in RUNS:
+        s = r.source
+        assert s.title and 2020 <= s.year <= 2025 and s.where and s.url.startswith("https://"), r.name
+        assert r.figure in FIGURES and r.value > 0 and r.gpu in GPUS, r.name
+        assert r.tp * r.cp * r.pp * r.dp == r.gpus, r.name
+        assert set(r.assumed) <= {f.name for f in dataclasses.fields(r)}, r.name
+    assert {r.source.title.split(",")[0] for r in RUNS} >= {
+        "Narayanan et al.", "Llama Team", "DeepSeek-AI", "TorchTitan performance benchmarks"}
+
+
+@pytest.mark.parametrize("run", BF16, ids=[r.name for r in BF16])
+def test_bf16_run_predicted_within_the_band(run):
+    c = price_published(run)
+    assert abs(c.ratio - 1) <= BAND, (f"{run.name}: predicted {c.predicted:.1f}, published {run.value} "
+                                      f"({run.figure}; {run.source.title}, {run.source.where})")
+
+
+def test_fp8_runs_are_predicted_below_published():
+    """FP8 matmuls run on a peak twice the bf16 one the model prices (and DeepSeek-V3's DualPipe
+    hides the all-to-alls it puts on the critical path): every FP8 run comes out slower."""
+    fp8 = [c for c in compare() if c.run.fp8]
+    assert len(fp8) == 4 and all(c.ratio < 1 for c in fp8), [(c.run.name, c.ratio) for c in fp8]
+
+
+def test_the_band_rejects_an_efficiency_off_by_a_third():
+    """The band can fail: the same model at efficiency 0.5 × 2/3 (or × 3/2) leaves it."""
+    for efficiency in (ACHIEVED_EFFICIENCY * 2 / 3, ACHIEVED_EFFICIENCY * 3 / 2):
+        out = [c.run.name for c in compare(efficiency) if not c.run.fp8 and abs(c.ratio - 1) > BAND]
+        assert out, efficiency
+
+
+def test_megatron_2021_figures_and_their_systematic_trend():
+    """Megatron's Eq. 3 counts the recomputed forward, so with full recomputation it is 4/3 of
+    the model FLOPs; the model's fixed efficiency overrates small GEMMs and underrates large
+    ones: the ratio falls from 1.7B to 1T (the paper: utilization grows with the hidden size)."""
+    rows = [c for c in compare() if c.run.figure == "megatron-2021 TFLOP/s"]
+    assert [c.run.value for c in rows] == [137, 138, 142, 135, 138, 140, 148, 155, 163, 163]
+    assert rows[0].ratio > 1.05 and rows[-1].ratio < 0.85
+    sizes = [1.7, 3.6, 7.5, 18.4, 39.1, 76.1, 145.6, 310.1, 529.6, 1008.0]  # the table's column
+    for c, size in zip(rows, sizes, strict=True):  # GPT as LLaMA: untied head (+V·h) and all
+        assert total_parameters(SHAPES[c.run.model]) / 1e9 == pytest.approx(size, rel=0.04)
+
+
+def test_deepseek_v3_tokens_per_gpu_from_its_gpu_hours():
+    run = next(r for r in RUNS if r.model == "deepseek-v3")
+    assert run.value == pytest.approx(14.8e12 / (2.664e6 * 3600)) and round(run.value) == 1543
+    c = price_published(run)
+    assert c.plan.times["ep"] > c.plan.times["compute"] - c.plan.times["bubble"]  # EP dominates
+
+
+def test_published_report_prints_every_run_and_its_source(capsys):
+    assert main(["--published"]) == 0
+    out = capsys.readouterr().out
+    assert out == published_report() + "\n"
+    for r in RUNS:
+        assert r.name in out and r.source.url in out
+
+
+# --- mixture of experts ---------------------------------------------------------------------------
+
+def test_moe_shapes_have_the_published_totals():
+    """Mixtral 8x7B: 46.7B, 12.9B active; DeepSeek-V3 with MHA for MLA: 672.1B, 38.7B active
+    (the report: 671B and 37B with MLA's smaller attention)."""
+    for name, total, active in (("mixtral-8x7b", 46.7, 12.9), ("deepseek-v3", 672.1, 38.7)):
+        cfg, moe = MOE_MODELS[name]
+        assert moe_parameters(cfg, moe) / 1e9 == pytest.approx(total, abs=0.05)
+        assert moe_parameters(cfg, moe, active=True) / 1e9 == pytest.approx(active, abs=0.05)
+
+
+@pytest.mark.skipif(not any(moe_shape(c) for c in CONFIGS.values()),
+                    reason="common/model.py has no MoE config yet")
+@pytest.mark.parametrize("name", [n for n, c in CONFIGS.items() if moe_shape(c)])
+def test_moe_parameter_count_equals_the_model(name):
+    """Read through the adapter, the planner's count is the built model's, parameter for parameter."""
+    cfg = CONFIGS[name]
+    assert moe_parameters(cfg, moe_shape(cfg)) == count_parameters(build_model(cfg, device="meta"))
+    assert name not in MODELS and name in MOE_MODELS
+
+
+@pytest.mark.parametrize("pp, ep", [(1, 1), (4, 1), (7, 8), (16, 64)])
+def test_stage_units_add_up_to_the_model(pp, ep):
+    """Every parameter on exactly one stage; EP keeps E/ep experts per GPU: summed over the ep
+    ranks of a group they are the model."""
+    cfg, moe = MOE_MODELS["deepseek-v3"]
+    stages = moe_stage_units(cfg, moe, 1, pp, ep)
+    assert sum(sum(u) + ep * sum(e) for u, e in stages) == moe_parameters(cfg, moe)
+
+
+def test_experts_shard_over_ep_and_zero_over_the_rest():
+    """Weights: E/ep experts per GPU. ZeRO-1's optimizer state: 1/d of the dense part and, of the
+    experts, 1/(d/ep) of the E/ep a GPU holds: the same bytes whatever ep."""
+    cfg, moe = MOE_MODELS["mixtral-8x7b"]
+    mem = {ep: moe_memory_per_gpu(cfg, moe, Layout(dp=8, zero=1, ep=ep), 4096, 1) for ep in (1, 2, 8)}
+    experts = cfg.n_layers * moe.n_experts * 3 * cfg.dim * moe.moe_hidden_dim  # 45.1B of 46.7B
+    assert mem[1]["weights"] - mem[8]["weights"] == pytest.approx(2 * experts * 7 / 8)
+    assert mem[1]["optimizer"] == pytest.approx(mem[8]["optimizer"], rel=1e-6)
+    assert mem[2]["optimizer"] == pytest.approx(mem[8]["optimizer"], rel=1e-6)
+    with pytest.raises(ValueError, match="must divide dp·cp"):
+        moe_memory_per_gpu(cfg, moe, Layout(dp=8, zero=1, ep=16), 4096, 1)
+
+
+def test_all_to_all_bytes_per_rank():
+    """4 all-to-alls of (ep-1)/ep · T·k·h·e per MoE block and micro-batch; × skew; full
+    recomputation reruns the forward two; none without EP."""
+    cfg, moe = MOE_MODELS["deepseek-v3"]
+    layout = Layout(pp=16, dp=128, ep=64, zero=1)
+    blocks = max(len(e) for _, e in moe_stage_units(cfg, moe, 1, 16, 64))
+    one = 63 / 64 * 4096 * 8 * 7168 * 2
+    assert blocks == 4 and all_to_all_bytes(cfg, moe, layout, 4096, 120) == blocks * 120 * 4 * one
+    assert all_to_all_bytes(cfg, moe, layout, 4096, 120, skew=1.5) == 1.5 * blocks * 120 * 4 * one
+    full = dataclasses.replace(layout, recompute="full")
+    assert all_to_all_bytes(cfg, moe, full, 4096, 120) == blocks * 120 * 6 * one
+    assert all_to_all_bytes(cfg, moe, dataclasses.replace(layout, ep=1), 4096, 120) == 0
+
+
+def test_moe_compute_is_the_active_parameters_and_skew_slows_the_busiest_rank():
+    cfg, moe = MOE_MODELS["deepseek-v3"]
+    active = moe_parameters(cfg, moe, active=True)
+    assert moe_flops_per_token(cfg, moe, 4096) == (6 * (active - cfg.vocab_size * cfg.dim)
+                                                   + 12 * cfg.n_layers * cfg.dim * 4096)
+    hw, layout = gpu("H800"), Layout(pp=16, dp=128, ep=64, zero=1)
+    plans = {s: price(cfg, layout, 4096, 15360, 80, hw, moe=moe, skew=s) for s in (1.0, 2.0)}
+    assert plans[2.0].comm["ep"] == 2 * plans[1.0].comm["ep"]
+    assert plans[2.0].times["compute"] > plans[1.0].times["compute"]
+    assert plans[1.0].comm["dp"] < comm_bytes_per_gpu(cfg, layout, 4096, 120)["dp"]  # dense count
+    no_ep = dataclasses.replace(layout, ep=1)  # every GPU runs every expert on its own tokens
+    assert (price(cfg, no_ep, 4096, 15360, 80, hw, moe=moe, skew=2.0).step_s
+            == price(cfg, no_ep, 4096, 15360, 80, hw, moe=moe).step_s)
+
+
+def test_ep_inside_a_node_is_cheap_and_across_nodes_is_not():
+    """EP 8 at TP 1 spans one node (NVLink); EP 64 spans 8 (the network): the same bytes per
+    all-to-all cost several times more time."""
+    cfg, moe = MOE_MODELS["deepseek-v3"]
+    hw = gpu("H800")
+    t = {ep: price(cfg, Layout(pp=16, dp=128, ep=ep, zero=1), 4096, 15360, 80, hw, moe=moe).times["ep"]
+         for ep in (8, 64)}
+    assert t[64] > 4 * t[8]
+
+
+def test_deepseek_v3s_own_layout_is_priced_above_tp8_by_its_all_to_alls(capsys):
+    """DeepSeek-V3's PP 16 × EP 64 × ZeRO-1: with the all-to-alls across 8 nodes on the critical
+    path the model prices it above TP 8 × PP 16 × DP 16 (`--article`'s pick), by its EP term.
+    (`--article` plans thousands of layouts; this prices the two.)"""
+    cfg, moe = MOE_MODELS["deepseek-v3"]
+    hw = gpu("H800")
+    theirs, pick = (price(cfg, Layout(tp=t, pp=16, dp=dp, ep=ep, zero=1, sequence_parallel=t > 1),
+                          4096, 15360, 80, hw, moe=moe) for t, dp, ep in ((1, 128, 64), (8, 16, 1)))
+    assert theirs.step_s > 1.2 * pick.step_s
+    assert theirs.times["ep"] > theirs.step_s - pick.step_s > 0 and pick.times["ep"] == 0
+    assert main(["--model", "mixtral-8x7b", "--gpus", "8", "--gpu-mem-gb", "141", "--top", "2",
+                 "--skew", "1.5", "--global-batch", "16"]) == 0
+    assert "46.70B parameters (12.88B active)" in capsys.readouterr().out
+    assert main(["--model", "mixtral-8x7b", "--skew", "0.5"]) == 2
+
+
+def test_readme_table_is_what_the_planner_prints_now():
+    """07's README shows the published-runs table as the planner prints it, not as typed."""
+    text = README.read_text(encoding="utf-8")
+    assert readme_table(text) == published_table(), (
+        "07_3d/README.md's published-runs table is stale: run "
+        "`python -m parallel3d.planner --published --write-readme` and update the prose around it")
+    assert published_table() in published_report()
+
+
+def test_moe_shape_reads_llama_config_fields():
+    """The adapter: LlamaConfig's MoE names, moe_hidden_dim None meaning the dense width."""
+    cfg = MODELS["llama2-7b"]
+    assert moe_shape(cfg) is None
+
+    @dataclasses.dataclass(frozen=True)
+    class WithExperts:
+        hidden_dim: int = 11008
+        n_experts: int = 8
+        top_k: int = 2
+        moe_hidden_dim: int | None = None
+        n_shared_experts: int = 1
+        first_dense_layers: int = 1
+    assert moe_shape(WithExperts()) == MoEShape(8, 2, 11008, 1, 1)
