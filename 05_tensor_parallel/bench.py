@@ -4,13 +4,14 @@
 
 One launch of 4 ranks, five configurations of the same model (same seed) on the same batch:
 dense (every rank trains the whole model alone), ours and torch's at TP = 2 (two TP groups of 2
-ranks, side by side) and at TP = 4. torch's is `parallelize_module` with torchtitan's plan:
-ColwiseParallel for wq, wk, wv, w1, w3, RowwiseParallel for wo, w2, a vocab-parallel embedding
-(RowwiseParallel) and a column-parallel head whose logits are all-gathered for a plain
-cross-entropy (ours keeps them split: `vocab_parallel_cross_entropy`). The configurations are
-interleaved and timed by `common.bench`, one step of each per round in a rotated order, so all see
-the same background load; a step (forward, backward, AdamW) counts as its slowest rank's time; the
-table shows medians. Prints a table, writes bench.png, then one JSON line.
+ranks, side by side) and at TP = 4. torch's is `parallelize_module` with the plain Megatron plan
+(torchtitan's default without its SequenceParallel norms and loss parallelism): ColwiseParallel
+for wq, wk, wv, w1, w3, RowwiseParallel for wo, w2, a vocab-parallel embedding (RowwiseParallel)
+and a column-parallel head whose logits are all-gathered for a plain cross-entropy (ours keeps
+them split: `vocab_parallel_cross_entropy`). The configurations are interleaved and timed by
+`common.bench`, one step of each per round in a rotated order, so all see the same background
+load; a step (forward, backward, AdamW) counts as its slowest rank's time; the table shows
+medians. Prints a table, writes bench.png, then one JSON line.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def torch_tp(model: torch.nn.Module, mesh) -> torch.nn.Module:
-    """torch's own TP (DTensor) on common.model's LLaMA, torchtitan's plan."""
+    """torch's own TP (DTensor) on common.model's LLaMA: the plain Megatron plan (no SP, no loss parallel)."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 

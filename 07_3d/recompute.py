@@ -9,11 +9,12 @@ tokens (width h, a heads):
     full       a block keeps only its input; backward reruns its forward first: L·h·e per token
                (+ one block's activations while it is recomputed), for one more forward (+1/3)
 
-What selective saves depends on the kernel. Eager attention stores the s×s scores and softmax
-(Korthikanti's 5·a·s²·b bytes per layer): selective drops them. A flash kernel (SDPA here) never
-stores them, it already recomputes the scores tile by tile in its own backward; the core then
-saves only q, k, v (which the checkpoint keeps as its inputs), its output (kept for wo) and a
-log-sum-exp, so selective drops the log-sum-exp and the GQA-repeated copies of k and v.
+What selective saves depends on the kernel. Eager attention stores s×s tensors (Korthikanti's
+5·a·s²·b bytes per layer: softmax output, dropout mask and output): selective drops them. A
+flash kernel (SDPA here) never stores them, it already recomputes the scores tile by tile in its
+own backward; the core then saves only q, k, v (which the checkpoint keeps as its inputs), its
+output (kept for wo) and a log-sum-exp, so selective drops the log-sum-exp and the GQA-repeated
+copies of k and v.
 
 Non-reentrant `torch.utils.checkpoint` reruns the same ops on the same inputs, so the gradients
 are bitwise those of the model without it (no dropout in LLaMA, no RNG to replay). The model's

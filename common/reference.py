@@ -207,7 +207,7 @@ class LockstepReference:
     with AdamW is chaotic, and a 1e-7 float32 rounding difference grows to O(1e-1) within ten
     steps whatever the strategy does. In float64 a second reference also runs free for the whole
     run; its figures are reported as `free_running` (they grow slowly with the number of steps,
-    as a different summation order compounds through AdamW, see the README)."""
+    as a different summation order compounds through AdamW: CONTRIBUTING.md, "the same numbers")."""
 
     def __init__(self, cfg: LlamaConfig, seed: int, dtype: torch.dtype, optimizer: str, lr: float,
                  device: torch.device | str = "cpu", clip_grad: float | None = None,

@@ -21,7 +21,7 @@ def comm_convention(comm: dict) -> str:
     (2(n-1)/n·S for an all-reduce, (n-1)/n·S for a reduce-scatter, whatever the algorithm: what
     NCCL's ring sends); point-to-point sends are counted as *sent*. Neither is observed on the
     wire: common/wire.py observes what gloo writes, which differs per collective (gloo has no
-    reduce-scatter and runs a full all-reduce: README.md, "What gloo really sends")."""
+    reduce-scatter and runs a full all-reduce: CONTRIBUTING.md, "What gloo really sends")."""
     p2p = [op for op in comm if op in P2P_OPS]
     if p2p and len(p2p) == len(comm):
         return "sent (P2P)"
@@ -84,7 +84,7 @@ def summary_table(report: dict) -> str:
     if report.get("comm_written_bytes") is not None and any(op.startswith("reduce_scatter")
                                                             for op in report.get("comm", {})):
         lines.append("  written: gloo runs each reduce-scatter as a full all-reduce, 2× its accounted "
-                     "bytes (README.md#what-gloo-really-sends)")
+                     "bytes (CONTRIBUTING.md#what-gloo-really-sends)")
     if report.get("comm_observed_lo_bytes") is not None:
         noise = report.get("comm_observed_lo_noise_bytes")
         lines.append(f"  loopback: the machine's bytes ÷ local ranks, incl. TCP/IP headers, gloo "

@@ -20,7 +20,7 @@ machines: those figures are None.
 The report labels them "comm written by gloo (wchar)" and "comm on loopback (gloo + TCP/IP)". They
 match the accounted bytes for all-reduce, all-gather and sends, not for reduce-scatter (gloo runs a
 full all-reduce: 2× the accounted bytes) nor broadcast (a tree: (n-1)/n·S per rank on average);
-`common/gloo_bytes.py` measures each collective, README.md's "What gloo really sends" explains.
+`common/gloo_bytes.py` measures each collective, CONTRIBUTING.md's "What gloo really sends" explains.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ class TrainSpec:
 
     @property
     def precision(self) -> torch.dtype | str:
-        """The row of the README's tolerance table this spec is checked against."""
+        """The row of CONTRIBUTING.md's tolerance table this spec is checked against."""
         return precision_key(self.torch_dtype, self.mixed_precision)
 
     @property

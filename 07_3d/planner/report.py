@@ -140,7 +140,7 @@ def article_report() -> str:
              "(fp16 weights + grads + Adam m, v; 8 × 512 tokens; attention without flash):",
              "  one GPU:        " + ", ".join(f"{k} {v / GB:.1f} GB" for k, v in one.items()),
              "  ZeRO-3 on 8:    " + ", ".join(f"{k} {v / GB:.1f} GB" for k, v in eight.items()),
-             "", "strategy by size (planner's pick, mixed precision, 4M tokens per step):"]
+             "", "strategy by size (planner's pick, mixed precision, 4.2M tokens per step; 405B 16.8M):"]
     for name, gpus, seq, batch in TABLE_SCENARIOS:
         cfg = MODELS[name]
         plans = plan(cfg, gpus, 80, seq, batch)
