@@ -60,6 +60,8 @@ def base_parser(description: str) -> argparse.ArgumentParser:
                    help="count autograd's saved tensors for activations_peak (hooks on every saved "
                         "tensor, every step); default: on, off on CUDA (see cuda_max_allocated)")
     p.add_argument("--report", default=None, metavar="PATH", help="write the JSON report here")
+    p.add_argument("--observed-comm", action="store_true",
+                   help="also print the bytes gloo wrote and on the loopback (always in the JSON)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="write a torch.profiler trace per rank, DIR/rank{r}.json (Perfetto / "
                         "chrome://tracing), of the timed windows of two steps after a warm-up one; "

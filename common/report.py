@@ -50,7 +50,9 @@ OBSERVED_ROWS = (("comm_written_bytes", "comm written by gloo (wchar)"),
                  ("comm_observed_lo_bytes", "comm on loopback (gloo + TCP/IP)"))
 
 
-def summary_table(report: dict) -> str:
+def summary_table(report: dict, observed: bool = False) -> str:
+    """The run's table: the accounted bytes and memory against their formulas; `observed` adds
+    what gloo wrote and what crossed the loopback (CONTRIBUTING.md#what-gloo-really-sends)."""
     mesh = " × ".join(f"{k}={v}" for k, v in report["mesh"].items())
     losses = report["losses"]
     convention = report.get("comm_convention", "accounted (nccl-tests)")
@@ -65,7 +67,7 @@ def summary_table(report: dict) -> str:
         f"{_ratio(report['comm_bytes_per_rank'], report['comm_bytes_formula']):>9}",
     ]
     for key, label in OBSERVED_ROWS:
-        if report.get(key) is not None:
+        if observed and report.get(key) is not None:
             lines.append(f"{label:<{W}}{human_bytes(report[key]):>14}"
                          f"{human_bytes(report['comm_bytes_formula']):>14}"
                          f"{_ratio(report[key], report['comm_bytes_formula']):>9}")
@@ -81,11 +83,11 @@ def summary_table(report: dict) -> str:
     if report.get("cp_load_balance") is not None:
         lines.append(f"{'CP attention work max/min over ranks':<{W}}{report['cp_load_balance']:>14.4f}"
                      f"{'1 (ideal)':>14}")
-    if report.get("comm_written_bytes") is not None and any(op.startswith("reduce_scatter")
+    if observed and report.get("comm_written_bytes") is not None and any(op.startswith("reduce_scatter")
                                                             for op in report.get("comm", {})):
         lines.append("  written: gloo runs each reduce-scatter as a full all-reduce, 2× its accounted "
                      "bytes (CONTRIBUTING.md#what-gloo-really-sends)")
-    if report.get("comm_observed_lo_bytes") is not None:
+    if observed and report.get("comm_observed_lo_bytes") is not None:
         noise = report.get("comm_observed_lo_noise_bytes")
         lines.append(f"  loopback: the machine's bytes ÷ local ranks, incl. TCP/IP headers, gloo "
                      f"framing, barriers and other processes (background before training × time: "
@@ -106,14 +108,15 @@ def summary_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def emit_report(report: dict, path: str | None = None) -> None:
-    """Print the table, then the JSON as the very last line; write it to `path` if given."""
+def emit_report(report: dict, path: str | None = None, observed: bool = False) -> None:
+    """Print the table (`observed`: with gloo's own byte rows), then the JSON as the very last
+    line, which always holds every figure; write it to `path` if given."""
     missing = [k for k in ("chapter", "strategy", "world_size", "mesh", "losses") if k not in report]
     if missing:
         raise ValueError(f"report lacks {missing}")
     ordered = {k: report[k] for k in REPORT_KEYS if k in report}
     ordered.update({k: v for k, v in report.items() if k not in ordered})
-    print(summary_table(ordered), flush=True)
+    print(summary_table(ordered, observed), flush=True)
     line = json.dumps(ordered)
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)

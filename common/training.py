@@ -389,7 +389,7 @@ def launch(parse_args: Callable[[list[str] | None], argparse.Namespace],
     ctx = init_distributed()
     report = run(args, ctx, config, build, chapter, before_training)
     if ctx.is_main:
-        emit_report(report, args.report)
+        emit_report(report, args.report, args.observed_comm)
     extra_ok = all(v.get("passed", True) for v in report.values() if isinstance(v, dict))
     status = 0 if report.get("check_passed", True) and extra_ok else 1
     shutdown()

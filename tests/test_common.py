@@ -151,6 +151,8 @@ def test_report_labels_what_gloo_wrote_apart_from_the_accounted_bytes(capsys):
               "comm_bytes_formula": 50.0, "comm_convention": "accounted (nccl-tests)",
               "comm_written_bytes": 100.0, "memory": {}, "memory_formula": {}}
     emit_report(report)
+    assert "written" not in capsys.readouterr().out.split("\n{")[0]  # the student's table: accounted only
+    emit_report(report, observed=True)
     out = capsys.readouterr().out.splitlines()
     assert any(line.startswith("comm written by gloo (wchar)") and line.endswith("2.0000") for line in out)
     assert any("reduce-scatter as a full all-reduce" in line for line in out)
