@@ -27,13 +27,16 @@ from dataclasses import dataclass
 import torch
 
 from common.model import Llama, LlamaConfig, TransformerBlock, initializer
-from fsdp import FSDP, MixedPrecision, ModuleWrapPolicy, ShardingStrategy
+from fsdp import FSDP, HYBRID_STRATEGIES, MixedPrecision, ModuleWrapPolicy, ShardingStrategy
 from parallel3d.mesh import ParallelMesh
 from parallel3d.recompute import MODES, CheckpointWrapper, apply_recompute, unwrapped_name
 from pipeline import LlamaChunk, split_model
 from pipeline.schedules import SCHEDULES, virtual_stages
 from tensor_parallel import TPShard, local_piece, parallelize_llama, sequence_positions, shard_sequence
 from tensor_parallel import apply_context_parallel as context_parallel
+
+# HSDP (04's HYBRID_SHARD) needs a replicate dimension in the mesh: not wired here yet
+FLAT_STRATEGIES = tuple(s.name for s in ShardingStrategy if s not in HYBRID_STRATEGIES)
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ class Parallel3DConfig:
         for field, value, allowed in (("schedule", self.schedule, SCHEDULES),
                                       ("activation_checkpointing", self.activation_checkpointing, MODES),
                                       ("sharding_strategy", self.sharding_strategy,
-                                       tuple(ShardingStrategy.__members__)),
+                                       FLAT_STRATEGIES),
                                       ("mixed_precision", self.mixed_precision, ("none", "bf16"))):
             if value not in allowed:
                 raise ValueError(f"Parallel3DConfig({field}={value!r}): use one of {', '.join(allowed)}")
