@@ -159,7 +159,7 @@ class FlatParamHandle:
         self.full.requires_grad_(self.flat_param.requires_grad)
         self.allocated = self.alias
         self._gather: tuple[dist.Work | None, torch.Tensor] | None = None
-        self._reduce: tuple[dist.Work | None, torch.Tensor, torch.Tensor] | None = None
+        self._reduce: tuple[dist.Work | None, torch.Tensor, torch.Tensor | None] | None = None
         self._replicating = False  # HSDP: `_reduce` waits for the all-reduce over the replicas
         self._accumulated: torch.Tensor | None = None  # unsharded gradient under no_sync
 
@@ -265,11 +265,11 @@ class FlatParamHandle:
         group (asynchronous; torch issues it right after the reduce-scatter, on its own stream)."""
         if self._reduce is None or self._replicating or self.replicate_size == 1:
             return
-        work, out, grad = self._reduce
+        work, out, _ = self._reduce
         if work is not None:
             work.wait()
         work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.replicate_group, async_op=True)
-        self._reduce, self._replicating = (work, out, grad), True
+        self._reduce, self._replicating = (work, out, None), True  # the unit's full gradient is free
 
     def finish_grad(self) -> None:
         """Wait for the reduction, divide by the data-parallel size (s·r: every rank's micro-batch
