@@ -167,6 +167,12 @@ def check_process_group(process_group, sharding_strategy: ShardingStrategy, auto
     if pair and (len(process_group) != 2 or not all(isinstance(g, dist.ProcessGroup) for g in process_group)):
         raise ValueError(f"{sharding_strategy}: process_group={process_group!r} must be a tuple of two "
                          "ProcessGroups, (shard_group, replicate_group): torch's (intra-node, inter-node)")
+    if pair:  # a rank's replicas hold its shard index on the other nodes: the groups meet in it alone
+        shard, replicate = (dist.get_process_group_ranks(g) for g in process_group)
+        if set(shard) & set(replicate) != {dist.get_rank()}:
+            raise ValueError(f"{sharding_strategy}: process_group=(shard_group {shard}, replicate_group "
+                             f"{replicate}) must share only this rank ({dist.get_rank()}), or replicas would "
+                             "hold different shards: build them with fsdp.node_groups(ranks_per_node)")
     if process_group is not None and not pair:
         raise ValueError(f"{sharding_strategy} takes process_group=(shard_group, replicate_group) or None "
                          f"(the node's ranks), not one group ({type(process_group).__name__}): pass both "

@@ -42,6 +42,7 @@ from tests.equivalence import (
     spec_args,
     with_spec,
 )
+from tests.harness import RankError
 
 HYBRID = ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"]
 MESHES = [(1, 2), (2, 1), (3, 1), (1, 3), (2, 2), (4, 1), (1, 4)]  # (shard s, replicate r): world s·r
@@ -246,3 +247,17 @@ def test_bad_hsdp_flags_fail_before_any_collective(monkeypatch, argv, env, messa
     assert not dist.is_initialized()
     with pytest.raises(ConfigError, match=message):
         fsdp_train.validate(fsdp_train.parse_args(argv), 4)
+
+
+def wrap_with_one_group_twice() -> None:
+    shard, _ = node_groups(2)
+    FullyShardedDataParallel(nn.Sequential(nn.Linear(3, 3)), process_group=(shard, shard),
+                             sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+
+
+def test_overlapping_groups_are_refused_on_every_rank_before_any_collective(pools):
+    with pytest.raises(RankError, match=r"replicate_group \[0, 1\]\) must share only this rank .*node_groups"
+                       ) as info:
+        pools.run(4, wrap_with_one_group_twice)
+    assert sorted(info.value.errors) == [0, 1, 2, 3]
+    pools.run(4, dist.barrier)  # no rank was left inside a collective
