@@ -31,7 +31,7 @@ from common.memory import storage_bytes
 from common.model import TransformerBlock, build_model, count_parameters, get_config
 from common.reference import make_optimizer
 from data_parallel import DistributedDataParallel
-from fsdp import FullyShardedDataParallel, ShardingStrategy, transformer_auto_wrap_policy
+from fsdp import HYBRID_STRATEGIES, FullyShardedDataParallel, ShardingStrategy, transformer_auto_wrap_policy
 from fsdp.torch_fsdp2 import fsdp2_unavailable, fully_shard_llama, local
 from fsdp.train import device_type
 
@@ -43,8 +43,9 @@ NAMES = {"ours": "ours (FSDP)", "torch_fsdp2": "torch FSDP2", "ddp": "ch01 DDP"}
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = harness.bench_parser(__doc__, warmup=2, steps=10)
     p.add_argument("--dtype", choices=DTYPES, default="float32")
-    p.add_argument("--sharding-strategy", default="FULL_SHARD", choices=[s.name for s in ShardingStrategy],
-                   help="ours; torch FSDP2 gets reshard_after_forward = (FULL_SHARD)")
+    p.add_argument("--sharding-strategy", default="FULL_SHARD",
+                   choices=[s.name for s in ShardingStrategy if s not in HYBRID_STRATEGIES],
+                   help="ours; torch FSDP2 gets reshard_after_forward = (FULL_SHARD); HSDP: train.py")
     p.add_argument("--global-batch", type=int, default=16, help="sequences per step (all ranks)")
     return harness.parse_checked(p, argv, positive=("global_batch",))
 

@@ -4,6 +4,8 @@
     shard  = flat[r·S : (r+1)·S]                               what rank r keeps (the nn.Parameter)
     full   = all_gather(shard.to(param_dtype))                 the unit's compute copy, P_u·b_param bytes
     grad   = reduce_scatter(full.grad.to(reduce_dtype), SUM)/N  → shard.grad
+    HSDP   : grad = all_reduce(reduce_scatter(full.grad, SUM over the shard group of s),
+                               SUM over the replicate group of r) / (s·r)
 
 `full` is a leaf tensor that requires grad; the unit's modules see views of it as their weights
 (`module.weight = full[o:o+n].view(shape)`), so autograd sums every use of a weight into
@@ -83,15 +85,20 @@ class FlatParamHandle:
     any device), called only for those that overlap this rank's shard, one at a time: a rank
     holds its shard and one parameter at most. The shard is allocated on `init_device` (default:
     the parameters' device, CPU for meta ones).
-    `orig_params`: keep each original parameter registered, as a view of its piece of the shard."""
+    `orig_params`: keep each original parameter registered, as a view of its piece of the shard.
+    `replicate_group` (HSDP): the reduced shard is all-reduced over it too (`start_replicate`)."""
 
     def __init__(self, params: list[tuple[str, nn.Module, str]], group, shard: bool,
                  param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
                  on_event: Callable[[str, FlatParamHandle], None] | None = None,
                  init_fn: Callable[[nn.Parameter], torch.Tensor] | None = None,
-                 init_device: torch.device | None = None, orig_params: bool = False):
+                 init_device: torch.device | None = None, orig_params: bool = False,
+                 replicate_group=None):
         self.group, self.on_event, self.name = group, on_event, ""
         self.group_size = dist.get_world_size(group)
+        self.replicate_group = replicate_group  # HSDP: the shards' replicas on other nodes
+        self.replicate_size = 1 if replicate_group is None else dist.get_world_size(replicate_group)
+        self.dp_size = self.group_size * self.replicate_size  # the gradient's divisor
         self.shard_world = self.group_size if shard else 1
         self.shard_rank = dist.get_rank(group) if shard else 0
         unique: dict[int, int] = {}
@@ -152,7 +159,8 @@ class FlatParamHandle:
         self.full.requires_grad_(self.flat_param.requires_grad)
         self.allocated = self.alias
         self._gather: tuple[dist.Work | None, torch.Tensor] | None = None
-        self._reduce: tuple[dist.Work | None, torch.Tensor, torch.Tensor] | None = None
+        self._reduce: tuple[dist.Work | None, torch.Tensor, torch.Tensor | None] | None = None
+        self._replicating = False  # HSDP: `_reduce` waits for the all-reduce over the replicas
         self._accumulated: torch.Tensor | None = None  # unsharded gradient under no_sync
 
     @property
@@ -233,7 +241,8 @@ class FlatParamHandle:
 
     def reduce_grad(self, grad: torch.Tensor, sync: bool) -> None:
         """Cast the unit's full gradient to reduce_dtype; under no_sync keep summing it locally,
-        else start the SUM reduce-scatter (all-reduce for NO_SHARD) asynchronously."""
+        else start the SUM reduce-scatter (all-reduce for NO_SHARD) asynchronously (HSDP: the
+        all-reduce over the replicas follows in `start_replicate`)."""
         grad = grad.to(self.reduce_dtype)
         if self._accumulated is not None:
             grad = self._accumulated.add_(grad)
@@ -249,17 +258,31 @@ class FlatParamHandle:
         else:
             out = grad.new_empty(self.shard_numel)
             self._reduce = (reduce_scatter_single(out, grad, self.group, async_op=True), out, grad)
+        self._replicating = False
+
+    def start_replicate(self) -> None:
+        """HSDP: wait for the shard's reduce-scatter, start its SUM all-reduce over the replicate
+        group (asynchronous; torch issues it right after the reduce-scatter, on its own stream)."""
+        if self._reduce is None or self._replicating or self.replicate_size == 1:
+            return
+        work, out, _ = self._reduce
+        if work is not None:
+            work.wait()
+        work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.replicate_group, async_op=True)
+        self._reduce, self._replicating = (work, out, None), True  # the unit's full gradient is free
 
     def finish_grad(self) -> None:
-        """Wait for the reduction, divide by N and accumulate into the shard's `.grad`."""
+        """Wait for the reduction, divide by the data-parallel size (s·r: every rank's micro-batch
+        entered the SUM) and accumulate into the shard's `.grad`."""
+        self.start_replicate()
         if self._reduce is None:
             return
         work, out, _ = self._reduce
         self._reduce = None
         if work is not None:
             work.wait()
-        if self.group_size > 1:
-            out.div_(self.group_size)
+        if self.dp_size > 1:
+            out.div_(self.dp_size)
         out = out.to(self.flat_param.dtype)
         if self.orig is not None:
             self._take_orig_grads()

@@ -12,6 +12,15 @@ to the end of backward); each unit is reduced once per micro-batch, or once per 
 no_sync(); clipping all-reduces one scalar (fp64 when the shards are, else fp32). With every
 parameter in blocks, FULL_SHARD moves (n-1)/n · (2·P·b_p + P·b_r): 1.5× DDP's 2(n-1)/n · P·b.
 
+HSDP (HYBRID_SHARD, _HYBRID_SHARD_ZERO2): s = the shard group (a node), r = the replicate group
+(across nodes), P_u padded to a multiple of s; split by the group the bytes cross:
+
+    intra-node  (s-1)/s · P_u·b_p per unshard + (s-1)/s · P_u·b_r per reduction (+ the clip scalar)
+    inter-node  2(r-1)/r · (P_u/s)·b_r per reduction: the all-reduce of the reduced shard
+
+FULL_SHARD over all n = s·r ranks puts all of its (n-1)/n · (2·P·b_p + P·b_r) through the slowest
+link of its ring (the network); HSDP sends only 2(r-1)/r · P/s · b_r there, ~1.5·s times less.
+
 Pure functions of a description of the units (`UnitTraffic`, from `shard_layout()` or computed
 without a model), so chapter 04's report and chapter 07's (which counts unshards per schedule
 action) share one formula. Depends only on torch.
@@ -23,7 +32,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from .flat_param import UnitShard
-from .wrap import ShardingStrategy
+from .wrap import ShardingStrategy, reshards_after_forward
 
 
 class UnitTraffic(NamedTuple):
@@ -36,10 +45,15 @@ class UnitTraffic(NamedTuple):
     shard_itemsize: int = 4  # the master shard's dtype (fp64 shards clip in fp64)
 
 
-def unit_traffic(layout: Iterable[UnitShard]) -> list[UnitTraffic]:
-    """The description of each unit of `FullyShardedDataParallel.shard_layout()`."""
-    return [UnitTraffic(u.padded_numel, u.full_bytes, u.reduce_dtype.itemsize, u.name == "",
-                        u.flat_param.element_size()) for u in layout]
+def unit_traffic(layout: Iterable[UnitShard], group_size: int | None = None) -> list[UnitTraffic]:
+    """The description of each unit of `FullyShardedDataParallel.shard_layout()`; with
+    `group_size`, as if padded for a group of that size (another sharding of the same units)."""
+    out = []
+    for u in layout:
+        padded = u.padded_numel if group_size is None else -(-u.numel // group_size) * group_size
+        out.append(UnitTraffic(padded, padded * u.param_dtype.itemsize, u.reduce_dtype.itemsize,
+                               u.name == "", u.flat_param.element_size()))
+    return out
 
 
 def ring(n: int, factor: float = 1.0) -> float:
@@ -47,29 +61,52 @@ def ring(n: int, factor: float = 1.0) -> float:
     return factor * (n - 1) / n if n > 1 else 0.0
 
 
-def unit_comm_bytes(unit: UnitTraffic, group_size: int, sharding_strategy: ShardingStrategy,
-                    gathers: int, reductions: int) -> float:
-    """One unit's bytes for `gathers` unshards and `reductions` gradient reductions."""
+def unit_comm_bytes_by_group(unit: UnitTraffic, group_size: int, sharding_strategy: ShardingStrategy,
+                             gathers: int, reductions: int, replicate_size: int = 1) -> tuple[float, float]:
+    """One unit's bytes for `gathers` unshards and `reductions` gradient reductions, as (over the
+    shard group of `group_size`, over the replicate group of `replicate_size`: HSDP only)."""
     reduced = unit.padded_numel * unit.reduce_itemsize
     if sharding_strategy == ShardingStrategy.NO_SHARD:
-        return reductions * ring(group_size, 2) * reduced
-    return gathers * ring(group_size) * unit.full_bytes + reductions * ring(group_size) * reduced
+        return reductions * ring(group_size, 2) * reduced, 0.0
+    intra = gathers * ring(group_size) * unit.full_bytes + reductions * ring(group_size) * reduced
+    return intra, reductions * ring(replicate_size, 2) * reduced / group_size
+
+
+def unit_comm_bytes(unit: UnitTraffic, group_size: int, sharding_strategy: ShardingStrategy,
+                    gathers: int, reductions: int, replicate_size: int = 1) -> float:
+    """One unit's bytes for `gathers` unshards and `reductions` gradient reductions (both groups)."""
+    return sum(unit_comm_bytes_by_group(unit, group_size, sharding_strategy, gathers, reductions,
+                                        replicate_size))
 
 
 def unshards_per_micro_batch(unit: UnitTraffic, sharding_strategy: ShardingStrategy) -> int:
-    """FULL_SHARD blocks: forward and backward; the root and SHARD_GRAD_OP: forward only."""
-    full_shard = sharding_strategy == ShardingStrategy.FULL_SHARD
-    return 2 if full_shard and not unit.is_root else 1
+    """FULL_SHARD and HYBRID_SHARD blocks: forward and backward; the root, SHARD_GRAD_OP and
+    _HYBRID_SHARD_ZERO2: forward only."""
+    return 2 if reshards_after_forward(sharding_strategy) and not unit.is_root else 1
+
+
+def fsdp_comm_bytes_by_group(units: Iterable[UnitTraffic], group_size: int,
+                             sharding_strategy: ShardingStrategy, micro_batches: int = 1,
+                             no_sync: bool = False, clip: bool = False,
+                             replicate_size: int = 1) -> dict[str, float]:
+    """Accounted wire bytes of one optimizer step on one rank, {"intra": over the shard group (the
+    clipping norm's all-reduce too), "inter": over the replicate group} (see the module docstring)."""
+    units = list(units)
+    reductions = 1 if no_sync else micro_batches
+    intra = inter = 0.0
+    for u in units:
+        a, b = unit_comm_bytes_by_group(u, group_size, sharding_strategy,
+                                        micro_batches * unshards_per_micro_batch(u, sharding_strategy),
+                                        reductions, replicate_size)
+        intra, inter = intra + a, inter + b
+    if clip and sharding_strategy != ShardingStrategy.NO_SHARD:
+        intra += ring(group_size, 2) * (8 if any(u.shard_itemsize == 8 for u in units) else 4)
+    return {"intra": intra, "inter": inter}
 
 
 def fsdp_comm_bytes(units: Iterable[UnitTraffic], group_size: int, sharding_strategy: ShardingStrategy,
-                    micro_batches: int = 1, no_sync: bool = False, clip: bool = False) -> float:
-    """Accounted wire bytes of one optimizer step on one rank (see the module docstring)."""
-    units = list(units)
-    reductions = 1 if no_sync else micro_batches
-    total = sum(unit_comm_bytes(u, group_size, sharding_strategy,
-                                micro_batches * unshards_per_micro_batch(u, sharding_strategy), reductions)
-                for u in units)
-    if clip and sharding_strategy != ShardingStrategy.NO_SHARD:
-        total += ring(group_size, 2) * (8 if any(u.shard_itemsize == 8 for u in units) else 4)
-    return total
+                    micro_batches: int = 1, no_sync: bool = False, clip: bool = False,
+                    replicate_size: int = 1) -> float:
+    """Accounted wire bytes of one optimizer step on one rank, both groups together."""
+    return sum(fsdp_comm_bytes_by_group(units, group_size, sharding_strategy, micro_batches, no_sync, clip,
+                                        replicate_size).values())

@@ -17,7 +17,9 @@ when every parameter is in a unit; the root unit (what the policy left: embeddin
 head) stays gathered from its forward to the end of backward, as in torch, so it is gathered
 once. SHARD_GRAD_OP keeps every unit gathered from forward to the end of backward: 1.0× DDP's
 bytes, no memory saving on parameters during the step. Persistent memory per rank:
-(params + grads + optimizer)/N (+ padding to a multiple of N per unit).
+(params + grads + optimizer)/N (+ padding to a multiple of N per unit). HYBRID_SHARD (HSDP,
+_HYBRID_SHARD_ZERO2 with SHARD_GRAD_OP inside) shards over s ranks of a node and all-reduces each
+reduced shard over the r nodes: (s-1)/s·(2·P·b_p + P·b_r) intra-node, 2(r-1)/r·P/s·b_r across.
 
 Public API: torch's FSDP1 signature, defaults and meanings (chapter 07 wraps a pipeline stage of
 tensor-parallel blocks over a DP group):
@@ -27,8 +29,10 @@ tensor-parallel blocks over a DP group):
       forward_prefetch=False, limit_all_gathers=True, use_orig_params=False, ignored_states=None,
       device_mesh=None, *, shard_init_fn=None)
     any module whose forward reads its weights as attributes (module.weight); process_group may be
-    a sub-group. Refused, with the fix: an offloading cpu_offload, ignored_modules/_states,
-    device_mesh, HYBRID_SHARD. limit_all_gathers is moot: at most one unit is prefetched ahead.
+    a sub-group; for HYBRID_SHARD / _HYBRID_SHARD_ZERO2 (shard_group, replicate_group), torch's
+    (intra-node, inter-node) pair (None: torch's default, fsdp.node_groups(LOCAL_WORLD_SIZE)).
+    Refused, with the fix: an offloading cpu_offload, ignored_modules/_states, device_mesh.
+    limit_all_gathers is moot: at most one unit is prefetched ahead.
     A meta-device module, torch's way: each unit calls param_init_fn(module) on its modules (or
     to_empty + reset_parameters), then shards: the peak is one unit. Ours, cheaper:
     shard_init_fn(name, meta_param) returns a parameter's full values, called only for those
@@ -40,6 +44,7 @@ tensor-parallel blocks over a DP group):
       `_fsdp_wrapped_module.` (as torch's); clean_name() strips it.
   .no_sync()                                  accumulate unsharded grads locally (on the root)
   .clip_grad_norm_(max_norm, norm_type=2.0)   torch's clipping, norm over every shard of the group
+                                              (HSDP: of the shard group; the replicas are equal)
   .state_dict() / .load_state_dict(sd)        torch's default, FULL_STATE_DICT: {original name:
       full tensor} on every rank (a collective) / every rank passes the full tensors, keeps its slice
   .full_state_dict(rank0_only=True), .full_gradients(rank0_only=True)  the same, on group rank 0
@@ -56,7 +61,8 @@ dtype; it casts its inputs to that dtype and its outputs back to param_dtype.
 
 Semantics a caller may rely on: several forwards may precede their backwards (1F1B); every
 backward (each `backward()` call) ends with all reductions landed in the shards' `.grad` and
-every unit freed; the next use gathers again. Each unit's gradient reduction is SUM then ÷ N.
+every unit freed; the next use gathers again. Each unit's gradient reduction is SUM then ÷ N
+(HSDP: reduce-scatter SUM over the shard group, all-reduce SUM over the replicate group, ÷ s·r).
 
 Depends only on torch, common/clip.py and common/collectives.py.
 """
@@ -75,6 +81,7 @@ from .state import (
     WRAPPED,
     ShardedStateMixin,
     broadcast_from_rank0,
+    cast_buffers,
     clean_name,
     materialize,
     on_meta,
@@ -90,17 +97,10 @@ from .wrap import (
     cast_floating,
     check_options,
     exempting,
+    process_groups,
+    reshards_after_forward,
+    tensors_in,
 )
-
-
-def _tensors(obj) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors(o)]
-    return []
 
 
 class _RootState:
@@ -112,6 +112,7 @@ class _RootState:
         self.sync = True
         self.in_backward = False
         self.trace: list[dict] | None = None
+        self.replicating: FlatParamHandle | None = None  # HSDP: the unit whose all-reduce is next
 
 
 class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
@@ -130,7 +131,9 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
         super().__init__()
         sharding_strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
         check_options(process_group, sharding_strategy, backward_prefetch, cpu_offload, ignored_modules,
-                      ignored_states, device_mesh, param_init_fn, shard_init_fn, sync_module_states)
+                      ignored_states, device_mesh, param_init_fn, shard_init_fn, sync_module_states,
+                      auto_wrap_policy)
+        process_group, replicate_group = process_groups(process_group, sharding_strategy)
         tied = tied_parameters(module)
         device = torch.device("cuda", device_id) if isinstance(device_id, int) else device_id
         if shard_init_fn is not None:  # nested units see their own names: map back to ours by identity
@@ -138,7 +141,8 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
             init, shard_init_fn = shard_init_fn, lambda _, p: init(names[id(p)], p)
         elif device is not None and not on_meta(module.modules()):
             module.to(device)
-        self.process_group, self.sharding_strategy = process_group, sharding_strategy
+        self.process_group, self.sharding_strategy = process_group, sharding_strategy  # torch's names
+        self.replicate_group = replicate_group  # HSDP only (torch's `_inter_node_pg`), else None
         self.mixed_precision = mixed_precision or MixedPrecision()
         self.forward_prefetch, self.backward_prefetch = forward_prefetch, backward_prefetch
         self.use_orig_params = use_orig_params
@@ -149,7 +153,8 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
         self._original_order = {clean_name(n): i for i, (n, _) in enumerate(module.named_parameters())}
         if auto_wrap_policy is not None:  # the units below first (post-order), each built like this one
             self._wrap_units(module, auto_wrap_policy, dict(
-                process_group=process_group, sharding_strategy=sharding_strategy,
+                process_group=process_group if replicate_group is None else (process_group, replicate_group),
+                sharding_strategy=sharding_strategy,
                 mixed_precision=mixed_precision, sync_module_states=sync_module_states,
                 forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch, device_id=device,
                 param_init_fn=param_init_fn, shard_init_fn=shard_init_fn, use_orig_params=use_orig_params))
@@ -157,10 +162,10 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
         if shard_init_fn is None and on_meta(modules):  # torch's: this unit whole, then sharded
             materialize(modules, param_init_fn, device)
         if sync_module_states:  # group rank 0's values, before this unit flattens its share
-            broadcast_from_rank0([t for m in modules for t in (*m.parameters(recurse=False),
-                                                               *m.buffers(recurse=False))],
-                                 process_group, device)
-        self._cast_buffers(modules, device)
+            tensors = [t for m in modules for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
+            for group in (replicate_group, process_group)[replicate_group is None:]:  # torch's order
+                broadcast_from_rank0(tensors, group, device)
+        self._buffer_dtypes.update(cast_buffers(modules, self.mixed_precision.buffer_dtype, device))
         own = self._own_parameters(module)
         mp = self.mixed_precision
         self._handle = (FlatParamHandle(own, process_group,
@@ -168,7 +173,7 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
                                         param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
                                         on_event=self._on_event, init_device=device,
                                         init_fn=None if shard_init_fn is None else partial(shard_init_fn, ""),
-                                        orig_params=use_orig_params)
+                                        orig_params=use_orig_params, replicate_group=replicate_group)
                         if own else None)
         if self._handle is not None:
             if not use_orig_params:
@@ -199,18 +204,6 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
                 f"auto_wrap_policy wrapped no submodule of {type(module).__name__} (its module "
                 f"classes: {', '.join(kinds)}): check transformer_layer_cls, or pass "
                 "auto_wrap_policy=None to shard the whole model as one unit")
-
-    def _cast_buffers(self, modules: list[nn.Module], device: torch.device | None) -> None:
-        """Floating buffers to buffer_dtype (their dtype remembered for state dicts), all to `device`."""
-        dtype = self.mixed_precision.buffer_dtype
-        for m in modules:
-            for name, b in list(m._buffers.items()):
-                if b is None:
-                    continue
-                if dtype is not None and b.is_floating_point():
-                    self._buffer_dtypes[(id(m), name)] = b.dtype
-                    b = b.to(dtype)
-                m._buffers[name] = b.to(device or b.device)
 
     @staticmethod
     def _own_modules(module: nn.Module) -> Iterator[nn.Module]:
@@ -301,10 +294,10 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
             output = cast_floating(output, self._exempt_output_dtype)
         if self._is_root:
             state.order_frozen = True
-        needs_grad = [t for t in _tensors(output) if t.requires_grad]
+        needs_grad = [t for t in tensors_in(output) if t.requires_grad]
         if needs_grad and torch.is_grad_enabled():
             self._register_pre_backward(needs_grad)
-            if not self._is_root and self.sharding_strategy == ShardingStrategy.FULL_SHARD:
+            if not self._is_root and reshards_after_forward(self.sharding_strategy):
                 self._reshard()
         else:  # no backward will follow this forward
             self._reshard()
@@ -361,12 +354,16 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
         self._reshard()
         if self.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
             self._prefetch(self._neighbour(-1))
-        self._handle.reduce_grad(grad, self._root._state.sync)
+        state = self._root._state
+        self._handle.reduce_grad(grad, state.sync)
+        if state.replicating is not None:  # HSDP: the previous unit's shard joins its replicas
+            state.replicating.start_replicate()  # (its reduce-scatter overlapped this unit's backward)
+        state.replicating = self._handle
 
     def _finish_backward(self) -> None:
         """End of backward (autograd-engine callback): every reduction has landed in `.grad`."""
         state = self._state
-        state.in_backward = False
+        state.in_backward, state.replicating = False, None
         for unit in self.units():
             if unit._handle is not None:
                 unit._handle.finish_grad()

@@ -83,6 +83,22 @@ def materialize(modules: list[nn.Module], param_init_fn: Callable[[nn.Module], N
             m.reset_parameters()
 
 
+def cast_buffers(modules: list[nn.Module], dtype: torch.dtype | None,
+                 device: torch.device | None) -> dict[tuple[int, str], torch.dtype]:
+    """Floating buffers to `dtype` (MixedPrecision.buffer_dtype), all to `device`; returns the
+    dtypes they had, by (id(module), name), for state dicts."""
+    before = {}
+    for m in modules:
+        for name, b in list(m._buffers.items()):
+            if b is None:
+                continue
+            if dtype is not None and b.is_floating_point():
+                before[(id(m), name)] = b.dtype
+                b = b.to(dtype)
+            m._buffers[name] = b.to(device or b.device)
+    return before
+
+
 def broadcast_from_rank0(tensors: Iterable[torch.Tensor], group, device: torch.device | None) -> None:
     """torch's sync_module_states=True: every rank takes group rank 0's values (one broadcast per
     tensor, on `device`: NCCL takes no CPU tensor)."""
@@ -129,7 +145,9 @@ class ShardedStateMixin:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch's FSDP.clip_grad_norm_ over the whole (sharded) model, on the root: total = ||all
         grads||, each element counted once (shards are summed over the group; NO_SHARD grads are
-        replicated); grads *= min(1, max_norm / (total + 1e-6)). Returns the total norm (collective)."""
+        replicated; HSDP sums over the shard group only, as torch: the r replicas hold equal shards,
+        summing over them too would count each element r times); grads *= min(1, max_norm /
+        (total + 1e-6)). Returns the total norm (collective)."""
         self._require_root("clip_grad_norm_()")
         flats = [h.flat_param for h in self._handles()]
         sharded = self.sharding_strategy != ShardingStrategy.NO_SHARD
@@ -160,7 +178,8 @@ class ShardedStateMixin:
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor] | None:
         """{original name: full tensor}: the parameters in the shard's dtype (the fp32 master in
         mixed precision), the buffers in their own dtype (before buffer_dtype), on group rank 0
-        (every rank if not rank0_only). A collective over the group: every rank calls it."""
+        (HSDP: of each shard group, as torch; every rank if not rank0_only). A collective over the
+        (shard) group: every rank calls it."""
         out = self._gather_named(lambda u: u.flat_param, rank0_only)
         if out is not None:
             dtypes = {k: v for u in self.units() for k, v in u._buffer_dtypes.items()}

@@ -8,6 +8,12 @@ gradient and its AdamW state; units are gathered just before they run and freed 
 `--mixed-precision bf16` is the source article's MixedPrecision(bf16, fp32, bf16): bf16 compute,
 fp32 reduce-scatter, fp32 master shard and optimizer state. `--check` trains the single-device
 reference alongside and exits 1 when the two differ beyond the README's tolerance.
+
+HSDP (FSDP across nodes): `--sharding-strategy HYBRID_SHARD --nodes 2` on 4 ranks shards over
+ranks {0,1} and {2,3} (two "nodes") and all-reduces each shard over {0,2} and {1,3}; without
+--nodes a node is LOCAL_WORLD_SIZE ranks (torch's default under a multi-node torchrun). The report
+splits the bytes: comm_bytes_intra / _inter beside their formulas, and comm_bytes_flat_formula,
+the same units sharded over all ranks (FULL_SHARD), whose bytes all cross the network.
 """
 
 from __future__ import annotations
@@ -20,7 +26,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.cli import DTYPES, BatchLayout, base_parser, batch_layout, model_config, require, validate_common
+from common.cli import (
+    DTYPES,
+    BatchLayout,
+    ConfigError,
+    base_parser,
+    batch_layout,
+    model_config,
+    require,
+    validate_common,
+)
 from common.dist import DistContext, pick_backend
 from common.memory import ActivationMeter, model_state_bytes
 from common.model import TransformerBlock, build_model, initializer
@@ -28,15 +43,19 @@ from common.optimizer_bytes import optimizer_state_bytes
 from common.reference import make_optimizer
 from common.training import Strategy, run_main
 from fsdp import (
+    HYBRID_STRATEGIES,
     BackwardPrefetch,
     FullyShardedDataParallel,
     MixedPrecision,
     ShardingStrategy,
     fsdp_comm_bytes,
+    fsdp_comm_bytes_by_group,
+    node_groups,
     transformer_auto_wrap_policy,
     unit_traffic,
 )
 from fsdp.torch_fsdp2 import TorchFSDP2Strategy, fsdp2_unavailable
+from fsdp.wrap import node_size, reshards_after_forward
 
 BF16_MIXED = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                             buffer_dtype=torch.bfloat16)  # the source article's
@@ -45,7 +64,10 @@ BF16_MIXED = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--sharding-strategy", default="FULL_SHARD",
-                   help="FULL_SHARD (ZeRO-3) | SHARD_GRAD_OP | NO_SHARD")
+                   help="FULL_SHARD (ZeRO-3) | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD | _HYBRID_SHARD_ZERO2")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="HYBRID_SHARD: simulate N nodes of world/N consecutive ranks (shard within a node, "
+                        "replicate across nodes); default: a node = LOCAL_WORLD_SIZE ranks (torch's)")
     p.add_argument("--no-sync", action="store_true",
                    help="gradient accumulation under model.no_sync() (one reduce-scatter per step, "
                         "unsharded gradients kept meanwhile); default: reduce every micro-batch")
@@ -65,9 +87,39 @@ def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
     require(args.impl == "ours" or args.sharding_strategy != "NO_SHARD",
             "--impl torch-fsdp2 with --sharding-strategy NO_SHARD: FSDP2 has no NO_SHARD (use "
             "torch's DDP, chapter 01), pick FULL_SHARD or SHARD_GRAD_OP")
+    validate_nodes(args, world_size)
     missing = fsdp2_unavailable(device_type()) if args.impl == "torch-fsdp2" else None
     require(missing is None, f"--impl torch-fsdp2: {missing}")
     return batch_layout(args.global_batch, world_size, args.micro_batch, args.grad_accum)
+
+
+def validate_nodes(args: argparse.Namespace, world_size: int) -> None:
+    """HSDP's split of the ranks into equal nodes (every rank trains on its own data: dp = world)."""
+    hybrid = ShardingStrategy[args.sharding_strategy] in HYBRID_STRATEGIES
+    require(args.nodes is None or hybrid, f"--nodes {args.nodes} with --sharding-strategy "
+            f"{args.sharding_strategy}: --nodes splits HSDP's ranks into nodes; use --sharding-strategy "
+            "HYBRID_SHARD (or _HYBRID_SHARD_ZERO2), or drop --nodes")
+    if not hybrid:
+        return
+    require(args.impl == "ours", f"--impl torch-fsdp2 with --sharding-strategy {args.sharding_strategy}: "
+            "the FSDP2 yardstick shards over one group; use --impl ours")
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    require(args.nodes is None or args.nodes in divisors,
+            f"--nodes {args.nodes}: {world_size} ranks do not split into {args.nodes} equal nodes; use "
+            f"one of {', '.join(map(str, divisors))}")
+    if args.nodes is None:
+        try:
+            node_size(world_size)
+        except ValueError as error:
+            raise ConfigError(f"--sharding-strategy {args.sharding_strategy} without --nodes: {error}; "
+                              "or pass --nodes N to simulate N nodes") from None
+
+
+def hsdp_groups(args: argparse.Namespace, world_size: int):
+    """(shard group, replicate group) for --nodes N (a node = world/N consecutive ranks), else None
+    (FSDP's default: LOCAL_WORLD_SIZE ranks per node). A collective: every rank makes every group."""
+    hybrid = ShardingStrategy[args.sharding_strategy] in HYBRID_STRATEGIES
+    return node_groups(world_size // args.nodes) if hybrid and args.nodes else None
 
 
 def wrap_llama(model: nn.Module, args: argparse.Namespace, process_group=None, device=None,
@@ -90,14 +142,20 @@ class FSDPStrategy(Strategy):
         cfg = model_config(args)
         # a meta model: each unit draws only the parameters that overlap this rank's shard, on CPU
         init, meta = initializer(cfg, args.seed), build_model(cfg, dtype=DTYPES[args.dtype], device="meta")
+        process_group = process_group or hsdp_groups(args, ctx.world_size)
         self.model = wrap_llama(meta, args, process_group, ctx.device, lambda name, _: init(name))
         self.model.memory_trace = []
         self.optimizer = make_optimizer(self.model.parameters(), args.optimizer, args.lr)
         self.args, self.n_params = args, sum(u.numel for u in self.model.shard_layout())
         self.clip_grad = args.clip_grad
         self.name = f"fsdp-{args.sharding_strategy.lower()}"
-        self.dp_rank, self.dp_size = ctx.rank, ctx.world_size
+        self.dp_rank, self.dp_size, self.steps_done = ctx.rank, ctx.world_size, 0
         self.mesh = {"dp": ctx.world_size}
+        if self.model.replicate_group is not None:  # HSDP: all ranks are data-parallel, in two groups
+            shard, replicate = self.model.process_group, self.model.replicate_group
+            self.mesh = {"dp_replicate": dist.get_world_size(replicate),
+                         "dp_shard": dist.get_world_size(shard)}
+            self.comm_groups = (("intra", shard), ("inter", replicate))
 
     def no_sync(self) -> AbstractContextManager:
         return self.model.no_sync() if self.args.no_sync else nullcontext()
@@ -132,6 +190,22 @@ class FSDPStrategy(Strategy):
         opt = optimizer_state_bytes(self.args.optimizer, shards, b, len(units))
         return comm, {"params": shards * b, "grads": shards * b, "optimizer": opt}
 
+    def after_step(self, done: int) -> None:
+        self.steps_done = done
+
+    def hsdp_extras(self) -> dict:
+        """HSDP's bytes per group (formulas beside the meter's comm_bytes_intra / _inter) and what
+        the same units sharded flat over all ranks would send (all of it across nodes)."""
+        if self.model.replicate_group is None:
+            return {}
+        k, no_sync = len_micro(self.args, self.dp_size), self.args.no_sync
+        clip = self.args.clip_grad is not None
+        split = comm_by_group(self.model, k, no_sync, clip)
+        flat = flat_comm_bytes(self.model, k, no_sync, clip)
+        return {"comm_bytes_intra_formula": self.steps_done * split["intra"],
+                "comm_bytes_inter_formula": self.steps_done * split["inter"],
+                "comm_bytes_flat_formula": self.steps_done * flat, "inter_vs_flat": split["inter"] / flat}
+
     def report_extras(self) -> dict:
         """The ledger of gathered parameters, and the ratios to plain data parallelism."""
         trace = self.model.memory_trace or []
@@ -147,7 +221,7 @@ class FSDPStrategy(Strategy):
             "full_params_peak_formula": full_params_peak_formula(self.model),
             "comm_per_step_vs_ddp": comm_bytes(self.model, 1, True, False) / ddp_comm
             if n > 1 else None,
-            "state_vs_ddp": sum(mem.values()) / ddp_state,
+            "state_vs_ddp": sum(mem.values()) / ddp_state, **self.hsdp_extras(),
         }
 
 
@@ -160,21 +234,42 @@ def device_type() -> str:
     return "cuda" if pick_backend() == "nccl" else "cpu"
 
 
+def comm_by_group(model: FullyShardedDataParallel, grad_accum: int, no_sync: bool,
+                  clip: bool) -> dict[str, float]:
+    """Accounted wire bytes of one optimizer step on one rank, {"intra": over the shard group,
+    "inter": over the replicate group (HSDP)}: `fsdp.formulas` over the units' descriptions (their
+    MixedPrecision dtypes, not what the handles do)."""
+    replicate = model.replicate_group
+    return fsdp_comm_bytes_by_group(unit_traffic(model.shard_layout()),
+                                    dist.get_world_size(model.process_group), model.sharding_strategy,
+                                    grad_accum, no_sync, clip,
+                                    1 if replicate is None else dist.get_world_size(replicate))
+
+
 def comm_bytes(model: FullyShardedDataParallel, grad_accum: int, no_sync: bool, clip: bool) -> float:
-    """Accounted wire bytes of one optimizer step on one rank: `fsdp.formulas` over the units'
-    descriptions (their MixedPrecision dtypes, not what the handles do)."""
-    return fsdp_comm_bytes(unit_traffic(model.shard_layout()), dist.get_world_size(model.process_group),
-                           model.sharding_strategy, grad_accum, no_sync, clip)
+    """Accounted wire bytes of one optimizer step on one rank, both groups."""
+    return sum(comm_by_group(model, grad_accum, no_sync, clip).values())
+
+
+FLAT = {ShardingStrategy.HYBRID_SHARD: ShardingStrategy.FULL_SHARD,
+        ShardingStrategy._HYBRID_SHARD_ZERO2: ShardingStrategy.SHARD_GRAD_OP}
+
+
+def flat_comm_bytes(model: FullyShardedDataParallel, grad_accum: int, no_sync: bool, clip: bool) -> float:
+    """An HSDP model's units sharded flat over all its s·r ranks (HYBRID_SHARD → FULL_SHARD)."""
+    n = dist.get_world_size(model.process_group) * dist.get_world_size(model.replicate_group)
+    return fsdp_comm_bytes(unit_traffic(model.shard_layout(), n), n, FLAT[model.sharding_strategy],
+                           grad_accum, no_sync, clip)
 
 
 def full_params_peak_formula(model: FullyShardedDataParallel) -> int:
-    """Most gathered bytes alive at once: FULL_SHARD = root + the two largest units (the one
-    computing and the one prefetched); otherwise every unit (SHARD_GRAD_OP keeps them all to
-    the end of backward; NO_SHARD never frees the full copy)."""
+    """Most gathered bytes alive at once: FULL_SHARD (HYBRID_SHARD) = root + the two largest units
+    (the one computing and the one prefetched); otherwise every unit (SHARD_GRAD_OP keeps them all
+    to the end of backward; NO_SHARD never frees the full copy)."""
     units = [u for u in model.shard_layout() if not u.aliased]
     sizes = sorted((u.full_bytes for u in units if u.name != ""), reverse=True)
     root = sum(u.full_bytes for u in units if u.name == "")
-    if model.sharding_strategy == ShardingStrategy.FULL_SHARD:
+    if reshards_after_forward(model.sharding_strategy):
         prefetch = model.forward_prefetch or model.backward_prefetch == BackwardPrefetch.BACKWARD_PRE
         return root + sum(sizes[: 2 if prefetch else 1])
     return root + sum(sizes)

@@ -9,50 +9,48 @@ A *unit* is a module whose parameters are flattened into one flat parameter and 
 
 so the source article's `partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})`
 works unchanged: every TransformerBlock becomes a unit, the root unit keeps what is left
-(embeddings, final norm, output head). Depends only on torch.
+(embeddings, final norm, output head). HSDP's two groups (`process_groups`, `node_groups`) are
+resolved here too. Depends only on torch.
 """
 
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-NOT_IMPLEMENTED = {  # torch's ShardingStrategy members this FSDP refuses, and what to use instead
-    "HYBRID_SHARD": "shard within a node and replicate across nodes is not implemented here: shard "
-                    "over a sub-group (process_group=the node's ranks) and all-reduce across "
-                    "replicas yourself, or use chapter 07's mesh (FSDP over its DP group)",
-    "_HYBRID_SHARD_ZERO2": "not implemented (HYBRID_SHARD with SHARD_GRAD_OP inside the node): use "
-                           "SHARD_GRAD_OP over a sub-group (process_group=)",
-}
 
-
-class _Strategies(enum.EnumMeta):
-    """`ShardingStrategy.HYBRID_SHARD` (torch's) raises at once, with the alternative."""
-
-    def __getattr__(cls, name: str):
-        if name in NOT_IMPLEMENTED:
-            raise AttributeError(f"ShardingStrategy.{name}: {NOT_IMPLEMENTED[name]}")
-        return super().__getattr__(name)
-
-
-class ShardingStrategy(enum.Enum, metaclass=_Strategies):
+class ShardingStrategy(enum.Enum):
     """What each rank keeps of a unit's parameters (P = parameters, N = ranks of the group):
 
     FULL_SHARD     P/N params, grads and optimizer state; gather in forward AND in backward (ZeRO-3)
     SHARD_GRAD_OP  P/N at rest; the gathered params live from forward to the end of backward (ZeRO-2-like)
     NO_SHARD       the whole P on every rank; gradients all-reduced (DDP with flat parameters)
-
-    torch's HYBRID_SHARD and _HYBRID_SHARD_ZERO2 are not implemented: naming them raises.
+    HYBRID_SHARD   HSDP: FULL_SHARD within a shard group of s ranks (a node), the shard's gradient
+                   all-reduced over a replicate group of r ranks (the same local rank on each node):
+                   P/s per rank, gathers over NVLink only, 2(r-1)/r · P/s · b over the network
+    _HYBRID_SHARD_ZERO2  the same with SHARD_GRAD_OP within the shard group
     """
 
     FULL_SHARD = "FULL_SHARD"
     SHARD_GRAD_OP = "SHARD_GRAD_OP"
     NO_SHARD = "NO_SHARD"
+    HYBRID_SHARD = "HYBRID_SHARD"
+    _HYBRID_SHARD_ZERO2 = "_HYBRID_SHARD_ZERO2"
+
+
+HYBRID_STRATEGIES = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+def reshards_after_forward(strategy: ShardingStrategy) -> bool:
+    """FULL_SHARD and HYBRID_SHARD free a unit after its forward (gathered again for backward)."""
+    return strategy in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
 
 class BackwardPrefetch(enum.Enum):
@@ -111,16 +109,25 @@ def cast_floating(obj, dtype: torch.dtype):
     return obj
 
 
+def tensors_in(obj) -> list[torch.Tensor]:
+    """The tensors in `obj` (a tensor, or lists, tuples, dicts of them)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in tensors_in(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in tensors_in(o)]
+    return []
+
+
 def check_options(process_group, sharding_strategy, backward_prefetch, cpu_offload, ignored_modules,
                   ignored_states, device_mesh, param_init_fn, shard_init_fn,
-                  sync_module_states: bool) -> None:
+                  sync_module_states: bool, auto_wrap_policy=None) -> None:
     """torch's FSDP arguments this FSDP cannot honour fail here, before any collective, with the fix."""
-    if isinstance(process_group, tuple):
-        raise NotImplementedError("process_group=(intra-node, inter-node) serves HYBRID_SHARD, which is "
-                                  f"not implemented here: {NOT_IMPLEMENTED['HYBRID_SHARD']}")
     if not isinstance(sharding_strategy, ShardingStrategy):
         raise ValueError(f"sharding_strategy={sharding_strategy!r}: use a ShardingStrategy "
                          f"({', '.join(s.name for s in ShardingStrategy)})")
+    check_process_group(process_group, sharding_strategy, auto_wrap_policy)
     if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
         raise ValueError(f"backward_prefetch={backward_prefetch!r}: torch's FSDP takes a BackwardPrefetch "
                          "or None; pass backward_prefetch=BackwardPrefetch.BACKWARD_PRE (the default) "
@@ -133,8 +140,9 @@ def check_options(process_group, sharding_strategy, backward_prefetch, cpu_offlo
             raise NotImplementedError(f"{name}: not implemented here, every parameter is sharded; "
                                       "keep those modules outside the FSDP-wrapped module")
     if device_mesh is not None:
-        raise NotImplementedError("device_mesh: not implemented here (it serves HYBRID_SHARD); pass "
-                                  "process_group= (e.g. the mesh's data-parallel group)")
+        raise NotImplementedError("device_mesh: not implemented here; pass process_group= (a mesh's "
+                                  "data-parallel group), or for HYBRID_SHARD process_group=(mesh."
+                                  "get_group(1), mesh.get_group(0)) (shard, replicate: torch's mesh dims)")
     if param_init_fn is not None and shard_init_fn is not None:
         raise ValueError("param_init_fn and shard_init_fn both given: pass one (param_init_fn(module) "
                          "materializes a unit, shard_init_fn(name, meta_param) draws only this "
@@ -142,6 +150,74 @@ def check_options(process_group, sharding_strategy, backward_prefetch, cpu_offlo
     if sync_module_states and shard_init_fn is not None:
         raise ValueError("sync_module_states=True with shard_init_fn: no rank holds whole parameters to "
                          "broadcast; make shard_init_fn deterministic (seeded) instead, and drop one")
+
+
+# --- HSDP's two groups --------------------------------------------------------------------------
+
+def check_process_group(process_group, sharding_strategy: ShardingStrategy, auto_wrap_policy) -> None:
+    """torch's rules for `process_group`: a HYBRID strategy takes (shard_group, replicate_group) or
+    None (then torch's default: the node's ranks, see `node_groups`); the others take one group."""
+    hybrid, pair = sharding_strategy in HYBRID_STRATEGIES, isinstance(process_group, tuple)
+    if pair and not hybrid:
+        raise ValueError(f"process_group=(shard_group, replicate_group) with {sharding_strategy}: a pair "
+                         "of groups serves HYBRID_SHARD / _HYBRID_SHARD_ZERO2; pass one group, or "
+                         "sharding_strategy=ShardingStrategy.HYBRID_SHARD")
+    if not hybrid:
+        return
+    if pair and (len(process_group) != 2 or not all(isinstance(g, dist.ProcessGroup) for g in process_group)):
+        raise ValueError(f"{sharding_strategy}: process_group={process_group!r} must be a tuple of two "
+                         "ProcessGroups, (shard_group, replicate_group): torch's (intra-node, inter-node)")
+    if pair:  # a rank's replicas hold its shard index on the other nodes: the groups meet in it alone
+        shard, replicate = (dist.get_process_group_ranks(g) for g in process_group)
+        if set(shard) & set(replicate) != {dist.get_rank()}:
+            raise ValueError(f"{sharding_strategy}: process_group=(shard_group {shard}, replicate_group "
+                             f"{replicate}) must share only this rank ({dist.get_rank()}), or replicas would "
+                             "hold different shards: build them with fsdp.node_groups(ranks_per_node)")
+    if process_group is not None and not pair:
+        raise ValueError(f"{sharding_strategy} takes process_group=(shard_group, replicate_group) or None "
+                         f"(the node's ranks), not one group ({type(process_group).__name__}): pass both "
+                         "groups, e.g. fsdp.node_groups(ranks_per_node)")
+    if process_group is None:
+        if auto_wrap_policy is None:  # torch's rule: manually wrapped units would make groups each
+            raise ValueError(f"Manual wrapping with {sharding_strategy} requires explicit specification of "
+                             "process group: pass process_group=(shard_group, replicate_group) "
+                             "(fsdp.node_groups(ranks_per_node) builds torch's default), or an "
+                             "auto_wrap_policy")
+        node_size(dist.get_world_size())
+
+
+def node_size(world_size: int) -> int:
+    """Ranks per node for torch's default HSDP groups: LOCAL_WORLD_SIZE (torchrun sets it; torch's
+    FSDP counts the node's GPUs, the same under one process per GPU)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    if value is None or not value.isdigit() or int(value) < 1 or world_size % int(value):
+        raise ValueError(f"HYBRID_SHARD with process_group=None shards within a node of LOCAL_WORLD_SIZE "
+                         f"ranks, but LOCAL_WORLD_SIZE={value} (world size {world_size}): launch with "
+                         "torchrun (equal nodes), or pass process_group=(shard_group, replicate_group), "
+                         "e.g. fsdp.node_groups(ranks_per_node)")
+    return int(value)
+
+
+def node_groups(ranks_per_node: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """torch's default HSDP groups over the world, L = ranks_per_node: node k's ranks
+    [k·L, (k+1)·L) shard, the ranks of one local rank i across nodes {i, i+L, i+2L, …} replicate.
+    A collective over the world (every rank creates every group, in the same order)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if ranks_per_node < 1 or world % ranks_per_node:
+        raise ValueError(f"node_groups({ranks_per_node}): the world size {world} must be a multiple of "
+                         "the ranks per node")
+    groups = [dist.new_group(list(range(k, k + ranks_per_node))) for k in range(0, world, ranks_per_node)]
+    replicas = [dist.new_group(list(range(i, world, ranks_per_node))) for i in range(ranks_per_node)]
+    return groups[rank // ranks_per_node], replicas[rank % ranks_per_node]
+
+
+def process_groups(process_group, sharding_strategy: ShardingStrategy) -> tuple[object, object | None]:
+    """(the group a unit shards over, the group its shards are all-reduced over or None)."""
+    if sharding_strategy not in HYBRID_STRATEGIES:
+        return process_group, None
+    if process_group is None:
+        return node_groups(node_size(dist.get_world_size()))
+    return process_group
 
 
 AutoWrapPolicy = Callable[..., bool]

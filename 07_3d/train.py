@@ -48,7 +48,6 @@ from common.memory import ActivationMeter
 from common.model import LlamaConfig, build_model
 from common.reference import make_optimizer
 from common.training import Strategy, run_main
-from fsdp import ShardingStrategy
 from parallel3d.accounting import describe_rank, memory_formula, memory_per_rank, schedule_extras
 from parallel3d.checkpoint.load import open_checkpoint
 from parallel3d.checkpoint.save import CheckpointError
@@ -66,7 +65,13 @@ from parallel3d.clip import clip_grad_norm_3d
 from parallel3d.comm_formulas import comm_bytes_per_step, cp_bytes_per_step
 from parallel3d.lr_schedule import warmup_cosine_scheduler
 from parallel3d.mesh import Coordinates, MeshError, build_mesh, mesh_shape
-from parallel3d.parallelize import Parallel3DConfig, activation_shape, parallelize_3d, rank_inputs
+from parallel3d.parallelize import (
+    FLAT_STRATEGIES,
+    Parallel3DConfig,
+    activation_shape,
+    parallelize_3d,
+    rank_inputs,
+)
 from parallel3d.recompute import MODES
 from parallel3d.shards import gather_full, shard_map
 from pipeline import PipelineExecutor, make_schedule, partition_error, schedule_error
@@ -204,8 +209,8 @@ def validate(args: argparse.Namespace, world_size: int) -> Train3DConfig:
     validate_context_parallel(args, cp)
     require(args.activation_checkpointing in MODES, f"--activation-checkpointing "
             f"{args.activation_checkpointing!r}: use one of {', '.join(MODES)}")
-    require(args.sharding_strategy in ShardingStrategy.__members__, f"--sharding-strategy "
-            f"{args.sharding_strategy!r}: use one of {', '.join(ShardingStrategy.__members__)}")
+    require(args.sharding_strategy in FLAT_STRATEGIES, f"--sharding-strategy "
+            f"{args.sharding_strategy!r}: use one of {', '.join(FLAT_STRATEGIES)}")
     lr_schedule = args.lr_schedule or ("constant" if args.check else "cosine")
     require(lr_schedule in ("cosine", "constant"), f"--lr-schedule {lr_schedule!r}: use cosine or constant")
     require(not (args.check and lr_schedule != "constant"),

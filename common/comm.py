@@ -12,7 +12,9 @@ the group size):
     send, isend                         S
     recv, irecv                         S received   (listed, but not in `bytes_sent`)
 
-so a ring all-reduce built from sends totals the same as `dist.all_reduce`.
+so a ring all-reduce built from sends totals the same as `dist.all_reduce`. A collective's bytes
+are also counted per group (by its global ranks): `bytes_over(group)`, e.g. HSDP's intra-node
+(shard group) and inter-node (replicate group) traffic.
 """
 
 from __future__ import annotations
@@ -67,6 +69,14 @@ _COST: dict[str, Callable] = {
     "barrier": lambda a, k: 0.0,
 }
 RECEIVES = ("recv", "irecv")
+_GROUP_AT = {"all_reduce": 2, "all_gather_into_tensor": 2, "all_gather_single": 2, "all_gather": 2,
+             "reduce_scatter_tensor": 3, "reduce_scatter_single": 3, "all_to_all_single": 4,
+             "broadcast": 2}  # where a collective takes its group (args index; keyword "group")
+
+
+def _ranks(group) -> tuple[int, ...]:
+    """A group's global ranks (None: the world's)."""
+    return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
 
 
 class CommMeter:
@@ -76,6 +86,7 @@ class CommMeter:
 
     def __init__(self) -> None:
         self.stats: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "bytes": 0.0})
+        self.by_group: dict[tuple[int, ...], float] = defaultdict(float)  # collectives' bytes per group
         self._originals: dict[tuple[object, str], Callable] = {}
         self._inside = threading.local()
         self._lock = threading.Lock()
@@ -83,6 +94,10 @@ class CommMeter:
     @property
     def bytes_sent(self) -> float:
         return sum(s["bytes"] for op, s in self.stats.items() if op not in RECEIVES)
+
+    def bytes_over(self, group) -> float:
+        """Bytes of the collectives over `group` (matched by its global ranks; None: the world)."""
+        return self.by_group.get(_ranks(group), 0.0)
 
     def calls(self, op: str) -> int:
         return int(self.stats[op]["calls"]) if op in self.stats else 0
@@ -99,7 +114,11 @@ class CommMeter:
         def counted(*args, **kwargs):
             if getattr(self._inside, "active", False):  # torch calling itself: count once
                 return fn(*args, **kwargs)
-            self._record(op, _COST[op](args, kwargs))
+            nbytes = _COST[op](args, kwargs)
+            self._record(op, nbytes)
+            if op in _GROUP_AT:
+                with self._lock:
+                    self.by_group[_ranks(_arg(args, kwargs, _GROUP_AT[op], "group"))] += nbytes
             self._inside.active = True
             try:
                 return fn(*args, **kwargs)

@@ -71,6 +71,10 @@ def summary_table(report: dict, observed: bool = False) -> str:
             lines.append(f"{label:<{W}}{human_bytes(report[key]):>14}"
                          f"{human_bytes(report['comm_bytes_formula']):>14}"
                          f"{_ratio(report[key], report['comm_bytes_formula']):>9}")
+    for key in [k for k in report if k.startswith("comm_bytes_") and f"{k}_formula" in report]:
+        label = f"  of it over the {key.removeprefix('comm_bytes_')} group"
+        lines.append(f"{label:<{W}}{human_bytes(report[key]):>14}{human_bytes(report[key + '_formula']):>14}"
+                     f"{_ratio(report[key], report[key + '_formula']):>9}")
     for key, value in report["memory"].items():
         formula = report["memory_formula"].get(key)
         lines.append(f"{'memory ' + key:<{W}}{human_bytes(value):>14}{human_bytes(formula):>14}"

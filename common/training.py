@@ -107,6 +107,7 @@ class Strategy:
     optimizer: torch.optim.Optimizer | None = None
     clip_grad: float | None = None
     weights: MasterWeights | None = None
+    comm_groups: tuple[tuple[str, object], ...] = ()  # (label, group): report's comm_bytes_<label>
 
     # --- the step, the same for every strategy (a pipeline overrides forward_backward) ----------
     def forward_backward(self, micro_batches: list[torch.Tensor]) -> torch.Tensor | float | None:
@@ -328,13 +329,11 @@ def train(args: argparse.Namespace, ctx: DistContext, strategy: Strategy, config
 def run_report(args: argparse.Namespace, ctx: DistContext, strategy: Strategy, config: BatchConfig,
                chapter: int, measured: Instruments, losses: list[float], memory: dict) -> dict:
     """The run report's keys (outside the meter and the timing)."""
-    ran = len(losses)
+    ran, comm = len(losses), measured.comm
     comm_formula, memory_formula = strategy.formulas(ran)
-    activations = measured.activations
-    memory["activations_peak"] = activations.peak_bytes if activations is not None else None
+    memory["activations_peak"] = getattr(measured.activations, "peak_bytes", None)
     if measured.peak.bytes is not None:
         memory["cuda_max_allocated"] = measured.peak.bytes
-    comm = measured.comm
     return {
         "chapter": chapter, "strategy": strategy.name, "world_size": ctx.world_size,
         "mesh": strategy.mesh, "backend": ctx.backend, "device": str(ctx.device),
@@ -344,6 +343,7 @@ def run_report(args: argparse.Namespace, ctx: DistContext, strategy: Strategy, c
         "comm": comm.as_dict(), "comm_bytes_per_rank": comm.bytes_sent,
         "comm_bytes_formula": comm_formula, "comm_convention": comm_convention(comm.as_dict()),
         **measured.wire.report(comm.bytes_sent),
+        **{f"comm_bytes_{label}": comm.bytes_over(g) for label, g in strategy.comm_groups},
         "memory": memory, "memory_formula": memory_formula, **strategy.report_extras(),
     }
 

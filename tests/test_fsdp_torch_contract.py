@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import os
 from functools import partial
 
 import pytest
@@ -18,6 +19,7 @@ from torch import nn
 
 from common.cli import ConfigError
 from common.model import RMSNorm, TransformerBlock, build_model, get_config, loss_fn
+from common.reference import relative_diff
 from fsdp import (
     BackwardPrefetch,
     FullyShardedDataParallel,
@@ -56,13 +58,10 @@ def test_mixed_precision_has_torchs_fields_and_defaults():
     assert fields(MixedPrecision) == fields(torch_fsdp.MixedPrecision)
 
 
-def test_enums_have_torchs_members_and_refuse_the_rest_by_name():
+def test_enums_have_torchs_members_hybrid_shard_included():
+    """HYBRID_SHARD and _HYBRID_SHARD_ZERO2 work (tests/test_fsdp_hybrid.py); no member is refused."""
     assert list(BackwardPrefetch.__members__) == list(torch_fsdp.BackwardPrefetch.__members__)
-    ours, theirs = list(ShardingStrategy.__members__), list(torch_fsdp.ShardingStrategy.__members__)
-    assert ours == theirs[: len(ours)]
-    for name in theirs[len(ours):]:
-        with pytest.raises(AttributeError, match=rf"ShardingStrategy.{name}: .*not implemented.*sub-group"):
-            getattr(ShardingStrategy, name)
+    assert list(ShardingStrategy.__members__) == list(torch_fsdp.ShardingStrategy.__members__)
 
 
 @pytest.mark.parametrize("module", [nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4)]), nn.ModuleDict(),
@@ -102,8 +101,14 @@ def test_auto_wrap_makes_the_units_torchs_recursive_wrap_makes(min_num_params):
     (dict(cpu_offload="offload"), NotImplementedError, r"offload is not implemented.*cpu_offload=None"),
     (dict(ignored_modules=["m"]), NotImplementedError, r"ignored_modules: not implemented"),
     (dict(ignored_states=["p"]), NotImplementedError, r"ignored_states: not implemented"),
-    (dict(device_mesh="mesh"), NotImplementedError, r"device_mesh.*pass process_group="),
-    (dict(process_group=("intra", "inter")), NotImplementedError, r"HYBRID_SHARD.*not implemented"),
+    (dict(device_mesh="mesh"), NotImplementedError, r"device_mesh.*pass process_group=.*get_group\(1\)"),
+    (dict(process_group=("intra", "inter")), ValueError, r"a pair of groups serves HYBRID_SHARD"),
+    (dict(process_group=("intra", "inter"), sharding_strategy=ShardingStrategy.HYBRID_SHARD), ValueError,
+     r"must be a tuple of two ProcessGroups, \(shard_group, replicate_group\)"),
+    (dict(process_group="intra", sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2), ValueError,
+     r"takes process_group=\(shard_group, replicate_group\) or None"),
+    (dict(sharding_strategy=ShardingStrategy.HYBRID_SHARD), ValueError,
+     r"Manual wrapping with ShardingStrategy.HYBRID_SHARD requires explicit.*node_groups"),
     (dict(param_init_fn=lambda m: None, shard_init_fn=lambda n, p: p), ValueError, r"both given: pass one"),
     (dict(sync_module_states=True, shard_init_fn=lambda n, p: p), ValueError, r"sync_module_states=True "
                                                                                r"with shard_init_fn"),
@@ -269,6 +274,61 @@ def test_fsdp_comm_bytes_in_closed_form():
     assert fsdp_comm_bytes(bf16, 2, ShardingStrategy.FULL_SHARD, clip=True) == pytest.approx(
         0.5 * (2 * 2000 + 4000) + 8, rel=1e-15)
     assert fsdp_comm_bytes(blocks, 1, ShardingStrategy.FULL_SHARD, clip=True) == 0.0
+
+
+# --- HYBRID_SHARD: torch's process_group pair, its default groups, the API under HSDP -------------
+
+def hsdp_api() -> dict:
+    """World 4 with LOCAL_WORLD_SIZE=2 (two nodes): torch's default groups; sync_module_states
+    (from rank-dependent init: inter-node then intra-node broadcast), use_orig_params, no_sync, the
+    state dicts and shard_layout under HYBRID_SHARD, against the unwrapped model's gradients."""
+    cfg = get_config("tiny", n_layers=2)
+    previous, os.environ["LOCAL_WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"], "2"
+    try:
+        fsdp = FullyShardedDataParallel(build_model(cfg, seed=dist.get_rank(), dtype=torch.float64),
+                                        sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                                        auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
+                                        sync_module_states=True, use_orig_params=True)
+    finally:
+        os.environ["LOCAL_WORLD_SIZE"] = previous
+    ranks = [dist.get_process_group_ranks(g) for g in (fsdp.process_group, fsdp.replicate_group)]
+    units_share = all(u.process_group is fsdp.process_group and u.replicate_group is fsdp.replicate_group
+                      for u in fsdp.units())
+    reference = build_model(cfg, seed=0, dtype=torch.float64)
+    synced = relative_diff(fsdp.state_dict(), reference.state_dict()) == 0
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (8, 6), generator=gen)  # 2 micro-batches of 1 per rank
+    rank = dist.get_rank()
+    with fsdp.no_sync():
+        loss_fn(fsdp(tokens[rank : rank + 1, :-1]), tokens[rank : rank + 1, 1:]).backward()
+    loss_fn(fsdp(tokens[4 + rank : 5 + rank, :-1]), tokens[4 + rank : 5 + rank, 1:]).backward()
+    for i in (0, 4):  # the reference: the mean over the 4 ranks of each rank's sum of 2 losses
+        loss_fn(reference(tokens[i : i + 4, :-1]), tokens[i : i + 4, 1:]).backward()
+    orig_grads_are_views = all(p.grad is not None and p.grad.untyped_storage().data_ptr()
+                               == fsdp._handles()[0].flat_param.grad.untyped_storage().data_ptr()
+                               for p in fsdp._handles()[0].orig)
+    grad_diff = relative_diff(fsdp.full_gradients(rank0_only=False),
+                              {n: p.grad for n, p in reference.named_parameters()})
+    full = fsdp.state_dict()
+    fresh = FullyShardedDataParallel(build_model(cfg, seed=5, dtype=torch.float64), process_group=(
+        fsdp.process_group, fsdp.replicate_group), sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+        auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}))
+    fresh.load_state_dict(full)
+    layout = fsdp.shard_layout()
+    return {"ranks": ranks, "units_share": units_share, "synced": synced, "grad_diff": grad_diff,
+            "views": orig_grads_are_views, "round_trip": relative_diff(fresh.state_dict(), full),
+            "shard_world": {u.shard_world for u in layout}, "shard_rank": layout[0].shard_rank}
+
+
+def test_hybrid_shard_works_with_torchs_groups_and_the_whole_api(pools):
+    """torch's contract: `process_group` is the shard (intra-node) group, the pair every unit
+    shares; the default splits the world into nodes of LOCAL_WORLD_SIZE consecutive ranks."""
+    for rank, r in enumerate(pools.run(4, hsdp_api)):
+        node, local = divmod(rank, 2)
+        assert r["ranks"] == [[2 * node, 2 * node + 1], [local, local + 2]], r["ranks"]
+        assert r["units_share"] and r["synced"] and r["views"]
+        assert r["grad_diff"] <= 1e-10 and r["round_trip"] == 0
+        assert r["shard_world"] == {2} and r["shard_rank"] == local
 
 
 # --- torch's FSDP2 yardstick needs a torch whose stream has record_event (2.7+ on CPU) -------------
