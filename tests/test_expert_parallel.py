@@ -11,6 +11,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from common.model import build_model, get_config, loss_fn
 from common.moe import set_aux_loss_scale
 from tensor_parallel.expert_parallel import AllToAllDispatcher, expert_parallel
 from tests.test_moe import make_layer, moe_config
@@ -104,3 +105,35 @@ def refuse(E):
 def test_experts_not_divisible_by_ep_are_refused_on_every_rank(pools):
     assert pools.run(4, refuse, 6) == ["6 experts do not split over an expert-parallel group of 4 ranks: "
                                        "use an EP size that divides 6"] * 4
+
+
+def model_ep_vs_one_device(seed: int) -> float:
+    """tiny-moe (2 MoE layers, 8 experts, top-2, a shared expert, capacity 1.25) in float64: the
+    global batch's mean loss on one device vs each rank's half (its loss and aux scaled by 1/ep,
+    replicated gradients summed over the group). Max relative gradient difference."""
+    cfg = get_config("tiny-moe", n_layers=2, first_dense_layers=0, capacity_factor=1.25, aux_loss_coef=0.1)
+    ep, rank = dist.get_world_size(), dist.get_rank()
+    tokens = torch.randint(0, cfg.vocab_size, (2 * ep, 9), generator=torch.Generator().manual_seed(seed))
+    full = build_model(cfg, seed, torch.float64)
+    loss_fn(full(tokens[:, :-1]), tokens[:, 1:]).backward()
+    model = build_model(cfg, seed, torch.float64)
+    expert_parallel(model, None)
+    set_aux_loss_scale(model, 1 / ep)
+    mine = tokens[2 * rank:2 * rank + 2]
+    (loss_fn(model(mine[:, :-1]), mine[:, 1:]) / ep).backward()
+    want = dict(full.named_parameters())
+    worst = 0.0
+    for name, p in model.named_parameters():
+        ref = want[name].grad
+        if ".experts." in name:
+            E = ref.shape[0]
+            ref = ref[rank * E // ep:(rank + 1) * E // ep]
+        else:
+            dist.all_reduce(p.grad)
+        worst = max(worst, ((p.grad - ref).abs().max() / ref.abs().max().clamp_min(1e-300)).item())
+    return worst
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_parallel_model_gradients_equal_one_device(pools, ep):
+    assert max(pools.run(ep, model_ep_vs_one_device, 0)) < 1e-10
