@@ -121,8 +121,15 @@ def apply_tp_plan(module: nn.Module, group, plan: dict[str, Style] = LLAMA_TP_PL
     return tp_shard_specs(module, group)
 
 
+MOE_NOT_SUPPORTED = ("tensor and context parallelism of a mixture-of-experts model are not implemented "
+                     "(its routing and load-balancing loss need whole sequences, its experts take expert "
+                     "parallelism, issue 27): use a dense --model here, or chapters 01-04 / 06 for MoE")
+
+
 def parallelize_llama(model: nn.Module, tp_group, sequence_parallel: bool = False) -> dict[str, TPShard]:
     """common.model.Llama (or a pipeline chunk of it) → its TP form by LLAMA_TP_PLAN, in place."""
+    if any(hasattr(m, "experts") for m in model.modules()):  # common.moe.MoEFeedForward
+        raise ValueError(MOE_NOT_SUPPORTED)
     return apply_tp_plan(model, tp_group, LLAMA_TP_PLAN, sequence_parallel)
 
 

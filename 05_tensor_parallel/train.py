@@ -64,6 +64,7 @@ from tensor_parallel.formulas import (
     model_activation_terms,
     step_comm_bytes,
 )
+from tensor_parallel.parallelize import MOE_NOT_SUPPORTED
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -92,6 +93,7 @@ def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
     require(world_size % (tp * cp) == 0, f"{sizes} does not divide the world of {world_size} ranks: "
                                          f"dp = world / {over} must be whole; use a divisor of {world_size}")
     cfg = model_config(args)
+    require(cfg.n_experts == 0, f"--model {args.model}: {MOE_NOT_SUPPORTED}")
     try:
         check_cp_sizes(args.seq_len, cp)
     except ValueError as error:

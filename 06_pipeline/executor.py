@@ -3,6 +3,7 @@ and gradients to the neighbouring ranks.
 
     F(mb, c)   x = received activation (or the tokens on stage 0);  y = chunk_c(x[, positions[mb]])
                last stage: y = loss_fn(y, targets[mb]) / m          ← the 1/m, exactly once
+               (a MoE layer's aux loss, on any stage: / m too, by set_aux_loss_scale at the start)
                send y to the next stage
     B(mb, c)   g = received gradient of y (nothing on the last stage: y is the loss)
                backward through chunk_c: x.grad to the previous stage, parameter grads accumulate
@@ -47,6 +48,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from common.moe import set_aux_loss_scale
 
 from .backward_split import backward_input, backward_weight
 from .p2p import Exchange, exchanges, segments
@@ -167,6 +170,8 @@ class PipelineExecutor:
             raise ValueError(f"{len(inputs)} input, {len(targets)} target{given} micro-batches for "
                              f"a schedule of m = {m}")
         self._positions = positions
+        for chunk in self.chunks:
+            set_aux_loss_scale(chunk, 1 / m)  # each MoE layer's aux loss, like scale_loss's 1/m
         cuda = self._cuda_events
         self._send_works, recorded, self._timeline = [], [], []
         self._events = (time.perf_counter(), self._clock(), recorded) if cuda else None

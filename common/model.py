@@ -4,7 +4,10 @@
     out = h + SwiGLU(RMSNorm(h))               SwiGLU(x)  = W2 (silu(W1 x) ⊙ W3 x)
 
 Attention is causal grouped-query attention (n_kv_heads ≤ n_heads, each K/V head shared by
-n_heads / n_kv_heads query heads) with rotary position embeddings on Q and K. Every parallel
+n_heads / n_kv_heads query heads) with rotary position embeddings on Q and K. With n_experts > 0
+the SwiGLU of every block from `first_dense_layers` on is a mixture of experts (common/moe.py:
+top-k routing, an optional shared expert, the load-balancing loss, capacity; the dispatcher seam
+that expert parallelism replaces); n_experts = 0 is the dense model, unchanged. Every parallel
 strategy in the course wraps or re-shards *this* model, so the single-device reference and the
 parallel run execute the same code. Modules read their head counts from their weights' shapes, so
 a tensor-parallel split of wq/wk/wv needs no change here.
@@ -21,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.moe import GATES, MoEFeedForward
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -36,6 +41,15 @@ class LlamaConfig:
     # LLaMA 3.1 stretches long wavelengths: (factor, low_freq_factor, high_freq_factor, original_ctx)
     rope_scaling: tuple[float, float, float, int] | None = None
     max_seq_len: int = 2048
+    # Mixture of experts (common/moe.py); n_experts = 0: the dense LLaMA, and the rest is unused.
+    n_experts: int = 0
+    top_k: int = 2
+    n_shared_experts: int = 0  # 0 or 1: an always-on SwiGLU of width moe_hidden_dim beside them
+    moe_hidden_dim: int | None = None  # each expert's SwiGLU width (None: hidden_dim)
+    gate: str = "softmax"  # "softmax" (Mixtral) | "sigmoid" (DeepSeek-V3): moe.route
+    aux_loss_coef: float = 0.01  # α of the sequence-wise load-balancing loss
+    capacity_factor: float | None = None  # None: dropless; else C = ceil(cf·T·k/E) per sequence
+    first_dense_layers: int = 0  # layers 0 … first_dense_layers-1 keep the dense SwiGLU
 
     @property
     def head_dim(self) -> int:
@@ -49,6 +63,13 @@ class LlamaConfig:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
 
+    @property
+    def expert_hidden_dim(self) -> int:
+        return self.hidden_dim if self.moe_hidden_dim is None else self.moe_hidden_dim
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.n_experts > 0 and layer_id >= self.first_dense_layers
+
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
@@ -56,6 +77,22 @@ class LlamaConfig:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.n_experts:
+            checks = [(1 <= self.top_k <= self.n_experts, f"top_k={self.top_k}: use 1 … n_experts"),
+                      (self.n_shared_experts in (0, 1),
+                       f"n_shared_experts={self.n_shared_experts}: use 0 or 1"),
+                      (self.gate in GATES, f"gate={self.gate!r}: use one of {', '.join(GATES)}"),
+                      (self.expert_hidden_dim > 0, f"moe_hidden_dim={self.moe_hidden_dim}: use > 0"),
+                      (self.aux_loss_coef >= 0, f"aux_loss_coef={self.aux_loss_coef}: use >= 0"),
+                      (self.capacity_factor is None or self.capacity_factor > 0,
+                       f"capacity_factor={self.capacity_factor}: use > 0, or None (dropless)"),
+                      (0 <= self.first_dense_layers <= self.n_layers,
+                       f"first_dense_layers={self.first_dense_layers}: use 0 … n_layers={self.n_layers}")]
+            for ok, message in checks:
+                if not ok:
+                    raise ValueError(f"{message} (n_experts={self.n_experts})")
+        elif self.n_experts < 0:
+            raise ValueError(f"n_experts={self.n_experts}: use 0 (dense) or more")
 
 
 _LLAMA31_ROPE = (8.0, 1.0, 4.0, 8192)
@@ -63,6 +100,11 @@ CONFIGS: dict[str, LlamaConfig] = {
     # Test and demo sizes: heads and kv-heads divisible by 4 (TP 4), layers by 8 (PP 4 × 2 virtual).
     "tiny": LlamaConfig(dim=32, n_layers=8, n_heads=4, n_kv_heads=4, vocab_size=256, multiple_of=16),
     "small": LlamaConfig(dim=256, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=256, multiple_of=64),
+    # MoE demo: tiny's attention, 8 experts (EP 2 and 4 split them) of width 32, top-2, a shared
+    # expert, layer 0 dense (DeepSeek's pattern).
+    "tiny-moe": LlamaConfig(dim=32, n_layers=8, n_heads=4, n_kv_heads=4, vocab_size=256, multiple_of=16,
+                            n_experts=8, top_k=2, n_shared_experts=1, moe_hidden_dim=32,
+                            first_dense_layers=1),
     # The real shapes (build them on the meta device to count parameters).
     "llama2-7b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000,
                              max_seq_len=4096),
@@ -80,6 +122,20 @@ CONFIGS: dict[str, LlamaConfig] = {
                                  vocab_size=128256, multiple_of=4096, ffn_dim_multiplier=1.2,
                                  rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE,
                                  max_seq_len=131072),
+    # MoE real shapes (meta device). Mixtral 8x7B: 46.7B total, 12.9B active, as published.
+    "mixtral-8x7b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
+                                rope_theta=1e6, max_seq_len=32768, n_experts=8, top_k=2,
+                                moe_hidden_dim=14336, aux_loss_coef=0.02),
+    # DeepSeek-V3's shape (671B total, 37B active) with our attention: its MLA (187.1M weights a
+    # layer) is approximated by 128-head MHA (head_dim 56, 205.5M): 672.1B total, 38.7B active
+    # (with MLA's weights instead: 671.0B and 37.6B). The first 3 layers dense (width 18432), then
+    # 256 experts of width 2048, top-8 by sigmoid, 1 shared expert. Its multi-token-prediction
+    # module (the 14B that make the checkpoint's 685B) is not counted.
+    "deepseek-v3": LlamaConfig(dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, vocab_size=129280,
+                               multiple_of=1024, ffn_dim_multiplier=0.96, norm_eps=1e-6,
+                               max_seq_len=4096, n_experts=256, top_k=8, n_shared_experts=1,
+                               moe_hidden_dim=2048, gate="sigmoid", aux_loss_coef=1e-4,
+                               first_dense_layers=3),
 }
 
 
@@ -160,25 +216,34 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU: W2 (silu(W1 x) ⊙ W3 x)."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
-        self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
-        self.w3 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def feed_forward(cfg: LlamaConfig, layer_id: int) -> nn.Module:
+    """Layer `layer_id`'s SwiGLU: dense (FeedForward), or MoEFeedForward from first_dense_layers on."""
+    if not cfg.is_moe_layer(layer_id):
+        return FeedForward(cfg.dim, cfg.hidden_dim)
+    shared = FeedForward(cfg.dim, cfg.expert_hidden_dim) if cfg.n_shared_experts else None
+    return MoEFeedForward(cfg.dim, cfg.expert_hidden_dim, cfg.n_experts, cfg.top_k, cfg.gate,
+                          cfg.aux_loss_coef, cfg.capacity_factor, shared)
+
+
 class TransformerBlock(nn.Module):
     """One layer; the unit that FSDP shards and that a pipeline stage holds a run of."""
 
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, layer_id: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = feed_forward(cfg, layer_id)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -192,7 +257,7 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
@@ -210,10 +275,12 @@ class Llama(nn.Module):
 
 def init_std(name: str, n_layers: int) -> float | None:
     """The init of parameter `name`: None for norms (ones), else the std of its normal draw:
-    0.02/sqrt(2·n_layers) for the projections into the residual stream (wo, w2), 0.02 otherwise."""
+    0.02/sqrt(2·n_layers) for the projections into the residual stream (wo, w2, the experts' w2),
+    0.02 otherwise (the router included)."""
     if name.endswith("norm.weight"):
         return None
-    return 0.02 / math.sqrt(2 * n_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+    residual = name.endswith(("wo.weight", "w2.weight", "experts.w2"))
+    return 0.02 / math.sqrt(2 * n_layers) if residual else 0.02
 
 
 def init_parameter(name: str, shape: Sequence[int], seed: int, n_layers: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ model and its `parallelize_*`): it fills `Strategy`'s hooks; a pipeline replaces
     step s:  tokens = data.global_batch(s)                       [global_batch, seq_len + 1]
              micro  = rows [r·B/dp, (r+1)·B/dp) of tokens, cut into k = grad_accum micro-batches
              forward_backward(micro):                             timed window, comm meter
+                 set_aux_loss_scale(model, 1/k)                   MoE: each aux loss / k, like the loss
                  for i < k:  with no_sync() unless i = k-1:  (micro_batch_loss(micro[i]) / k).backward()
                  after_backward()
              (check) full_gradients(), full_parameters()          outside both, to rank 0
@@ -23,10 +24,9 @@ over a DeepSpeed file); where it has a field named like a shared flag the loop r
 (`global_batch`, `clip_grad`, `mixed_precision`), that value wins over the typed one (`setting`).
 `build(args, ctx, config)` then builds the strategy. `--profile DIR`: common/profile.py.
 
-TP and PP ranks of one data-parallel replica share `dp_rank`, so they take the same rows. The
-reported loss of a step is the mean over the ranks that have one (PP: the last stage; TP: every
-rank of the group, each with the same value), which is the global-batch mean loss because every
-data-parallel shard is represented by the same number of ranks.
+TP and PP ranks of one data-parallel replica share `dp_rank`, so they take the same rows. A step's
+reported loss is the mean over the ranks that have one (PP: the last stage; TP: every rank of the
+group, the same value): the global-batch mean, as every data-parallel shard has as many ranks.
 
 On a GPU the figures follow three rules. Time: each timed window starts and ends with
 `torch.cuda.synchronize()` (kernels run after `forward_backward` returns, and a non-last pipeline
@@ -70,6 +70,7 @@ from common.dist import (
 from common.memory import ActivationMeter, CudaPeakMeter, model_state_bytes
 from common.mixed_precision import MasterWeights
 from common.model import loss_fn
+from common.moe import set_aux_loss_scale
 from common.profile import profiler_or_nothing
 from common.reference import LockstepReference
 from common.report import comm_convention, emit_report
@@ -112,10 +113,10 @@ class Strategy:
     # --- the step, the same for every strategy (a pipeline overrides forward_backward) ----------
     def forward_backward(self, micro_batches: list[torch.Tensor]) -> torch.Tensor | float | None:
         """Forward and backward over this rank's k micro-batches (token rows [mb, seq_len + 1], on
-        the device), leaving the gradient of the mean loss over the *global* batch. Returns the
-        mean loss over these micro-batches as a detached 0-dim device tensor (`.item()` per
-        micro-batch would be a host sync), or None on a rank without a loss (a pipeline stage)."""
+        the device): the gradient of the *global* batch's mean loss. Returns their mean loss as a
+        detached 0-dim device tensor (no host sync), or None on a rank without one (a pipeline stage)."""
         k, losses = len(micro_batches), []
+        set_aux_loss_scale(self.model, 1 / k)  # each MoE layer's aux loss is divided like the loss
         for i, tokens in enumerate(micro_batches):
             with self.no_sync() if i < k - 1 else nullcontext():
                 loss = self.micro_batch_loss(tokens) / k
@@ -202,8 +203,7 @@ def measure_activations(args: argparse.Namespace, device: torch.device) -> bool:
 
 
 def record_loss(row: torch.Tensor, loss: torch.Tensor | float | None) -> None:
-    """Write a step's loss into its row [loss, 1] of the loss buffer: a device copy, no host
-    read. None (a rank without a loss) leaves [0, 0]."""
+    """Write a step's loss into its row [loss, 1] of the loss buffer (a device copy; None: [0, 0])."""
     if loss is not None:
         with torch.no_grad():
             row[0], row[1] = loss, 1

@@ -55,6 +55,19 @@ PUBLISHED = {
     # the course's demo sizes (every chapter's README quotes numbers computed from them)
     "tiny": (32, 8, 4, 4, 256, 16, None, 1e-5, 10000.0, None, 2048),
     "small": (256, 8, 8, 4, 256, 64, None, 1e-5, 10000.0, None, 2048),
+    # MoE (tests/test_moe.py counts them): Mixtral 8x7B's params.json; DeepSeek-V3's config.json
+    # where our LLaMA can hold it (pre-training context 4096; MHA in place of MLA: common/model.py)
+    "tiny-moe": (32, 8, 4, 4, 256, 16, None, 1e-5, 10000.0, None, 2048),
+    "mixtral-8x7b": (4096, 32, 32, 8, 32000, 256, None, 1e-5, 1e6, None, 32768),
+    "deepseek-v3": (7168, 61, 128, 128, 129280, 1024, 0.96, 1e-6, 10000.0, None, 4096),
+}
+MOE_FIELDS = ("n_experts", "top_k", "n_shared_experts", "moe_hidden_dim", "gate", "aux_loss_coef",
+              "capacity_factor", "first_dense_layers")
+DENSE = (0, 2, 0, None, "softmax", 0.01, None, 0)  # the defaults, unused by a dense model
+MOE_PUBLISHED = {
+    "tiny-moe": (8, 2, 1, 32, "softmax", 0.01, None, 1),
+    "mixtral-8x7b": (8, 2, 0, 14336, "softmax", 0.02, None, 0),
+    "deepseek-v3": (256, 8, 1, 2048, "sigmoid", 1e-4, None, 3),
 }
 
 
@@ -63,7 +76,9 @@ def test_named_configs_are_exactly_the_published_ones():
     for name, values in PUBLISHED.items():
         cfg = get_config(name)
         assert {f: getattr(cfg, f) for f in FIELDS} == dict(zip(FIELDS, values, strict=True)), name
-        assert {f.name for f in dataclasses.fields(cfg)} == set(FIELDS), "a new field: pin it"
+        moe = MOE_PUBLISHED.get(name, DENSE)
+        assert {f: getattr(cfg, f) for f in MOE_FIELDS} == dict(zip(MOE_FIELDS, moe, strict=True)), name
+        assert {f.name for f in dataclasses.fields(cfg)} == {*FIELDS, *MOE_FIELDS}, "a new field: pin it"
 
 
 @pytest.mark.parametrize("name", ["tiny", "llama3.1-8b"])

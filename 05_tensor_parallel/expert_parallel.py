@@ -1,0 +1,123 @@
+"""Expert parallelism: the E experts of a MoE layer split over an EP group of `ep` ranks, tokens
+sent to the rank holding their expert with an all-to-all, and the outputs sent back.
+
+Rank r holds experts [r·E/ep, (r+1)·E/ep) (each rank's router, shared expert and every other
+parameter are replicated, as under data parallelism: each rank routes its own tokens). One layer:
+
+    rows, counts = permute(x, plan)                 kept slots grouped by global expert, counts [E]
+    all-to-all(counts)                              recv[s][e] = rows rank s sends to my expert e
+    all-to-all(rows; splits out = Σ_e counts of rank q's experts, in = Σ_e recv[s][e])
+    regroup the received rows (source-major) by local expert (expert-major) → local experts
+    … and back: un-regroup, all-to-all with the splits swapped, `unpermute` as on one device.
+
+Autograd: the backward of an all-to-all is the all-to-all with in- and out-splits swapped
+(`_AllToAll`), so the gradient of a row comes back to the rank that sent it. A rank may send or
+receive no row (every split 0); each expert still runs, on 0 rows, and gets a zero gradient.
+
+The host sync: the count exchange's result is read on the host (`.tolist()`) to size the receive
+buffer and the splits of the token all-to-all: on NCCL, a device→host copy after the collective,
+once per MoE layer forward (not in backward: the splits are kept). gloo would accept host
+splits computed any way; NCCL needs them on the host before the call and the counts tensor on the
+rank's device. Every rank of the group calls the same collectives in the same order: two
+all-to-alls per forward (counts, rows) and one more in combine, the reverse one in backward.
+
+Gradients: with each rank's loss a sum over its own tokens, the expert gradients are complete on
+their rank (every token that chose the expert, from every rank, backpropagated into it); the
+replicated parameters' gradients are partial sums to all-reduce over the group, as under DP.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from common.moe import GroupedExperts, MoEFeedForward, RoutingPlan, moe_layers, permute, unpermute
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows x [Σ in_splits, dim] → [Σ out_splits, dim]: in_splits[q] rows to rank q, out_splits[q]
+    rows from rank q. Backward: the same call with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        out = x.new_empty(sum(out_splits), x.shape[1])
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad_in = grad.new_empty(sum(ctx.in_splits), grad.shape[1])
+        dist.all_to_all_single(grad_in, grad.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
+        return grad_in, None, None, None
+
+
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+class AllToAllDispatcher:
+    """The MoE layer's dispatcher seam (common/moe.py) over an EP group; dispatch and combine come
+    in pairs within one forward, so dispatch keeps the splits and the regrouping for combine."""
+
+    def __init__(self, group, n_experts: int):
+        self.group = group
+        self.ep = dist.get_world_size(group)
+        self.local = n_experts // self.ep
+        self._state: tuple[list[int], list[int], torch.Tensor] | None = None
+
+    def dispatch(self, x: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, list[int]]:
+        rows, counts = permute(x, plan)  # grouped by global expert = by destination rank
+        send = torch.tensor(counts, dtype=torch.int64, device=x.device)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)  # [ep · local]: source-major
+        received = recv.view(self.ep, self.local).tolist()  # the host sync (see the docstring)
+        in_splits = [sum(counts[q * self.local:(q + 1) * self.local]) for q in range(self.ep)]
+        out_splits = [sum(row) for row in received]
+        arrived = all_to_all(rows, out_splits, in_splits, self.group)
+        starts, at = [], 0  # where rows (source s, local expert e) begin in `arrived`
+        for row in received:
+            starts.append([])
+            for n in row:
+                starts[-1].append(at)
+                at += n
+        order = [torch.arange(starts[s][e], starts[s][e] + received[s][e], device=x.device)
+                 for e in range(self.local) for s in range(self.ep)]
+        regroup = torch.cat(order)
+        self._state = (in_splits, out_splits, regroup)
+        local_counts = [sum(received[s][e] for s in range(self.ep)) for e in range(self.local)]
+        return arrived[regroup], local_counts
+
+    def combine(self, expert_outputs: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+        if self._state is None:
+            raise RuntimeError("AllToAllDispatcher.combine without a dispatch before it")
+        in_splits, out_splits, regroup = self._state
+        self._state = None
+        source_major = expert_outputs[torch.argsort(regroup)]
+        returned = all_to_all(source_major, in_splits, out_splits, self.group)
+        return unpermute(returned, plan)
+
+
+def expert_parallel(model: nn.Module, group) -> list[MoEFeedForward]:
+    """Every MoE layer of `model` (a model, a block or a layer) keeps only this rank's experts
+    [r·E/ep, (r+1)·E/ep) and dispatches by all-to-all over `group`, in place. Checks before any
+    collective: E divisible by the group's size."""
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    layers = [model] if isinstance(model, MoEFeedForward) else moe_layers(model)
+    for layer in layers:
+        E = layer.experts.w1.shape[0]
+        if E % ep:
+            raise ValueError(f"{E} experts do not split over an expert-parallel group of {ep} ranks: "
+                             f"use an EP size that divides {E}")
+    for layer in layers:
+        E = layer.experts.w1.shape[0]
+        lo, hi = rank * E // ep, (rank + 1) * E // ep
+        full = layer.experts
+        local = GroupedExperts(hi - lo, full.w1.shape[2], full.w1.shape[1]).to(full.w1)
+        with torch.no_grad():
+            for name in ("w1", "w2", "w3"):
+                getattr(local, name).copy_(getattr(full, name)[lo:hi])
+        layer.experts = local
+        layer.dispatcher = AllToAllDispatcher(group, E)
+    return layers

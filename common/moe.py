@@ -1,0 +1,262 @@
+"""Mixture of experts: the feed-forward of a MoE LLaMA block, cut at the seams expert parallelism
+replaces. A token goes through k of E expert SwiGLUs (plus an always-on shared one), weighted:
+
+    y_n = shared(x_n) + Σ_{j<k} kept_nj · g_nj · E_{e_nj}(x_n)        E_i(x) = W2_i (silu(W1_i x) ⊙ W3_i x)
+
+Routing, per token (router W_r: dim → E, no bias; logits in float32 or better): e_n = the top-k
+of the logits (= the top-k of either gate's scores: both are monotonic), and
+    gate "softmax" (Mixtral; torchtitan's route_norm):  p = softmax(logits) over all E, g_nj = p_e / Σ_j' p_e'
+    gate "sigmoid" (DeepSeek-V3):                       σ = sigmoid(logits),           g_nj = σ_e / Σ_j' σ_e'
+DeepSeek-V3's selection bias (auxiliary-loss-free balancing), group-limited routing and routed
+scale 2.5 are not implemented. With softmax and k = 1, g = 1: the router then learns only from
+the aux loss (Switch keeps g = p_e unnormalised).
+
+Load balance (DeepSeek-V3's sequence-wise loss; Switch's f·P, per sequence). Sequence b, T tokens:
+    f_bi = E/(k·T) · #{t : i ∈ top-k(t)}    (the choices before capacity drops; no gradient)
+    P_bi = 1/T · Σ_t p'_ti                  p' = p (softmax gate), σ / Σ_i σ_i (sigmoid gate)
+    aux  = α · 1/B · Σ_b Σ_i f_bi · P_bi    α = aux_loss_coef; perfectly balanced: aux = α
+The mean over sequences decomposes over data-parallel shards (the global-batch mean is the mean of
+equal shards' means); one f·P over the whole batch would not. `MoEAuxLossAutoScaler` (Megatron's)
+returns the layer output unchanged and, in backward, also backpropagates scale · aux, so every MoE
+layer gets its aux gradient even on a pipeline stage that never sees the loss. `scale` is set by
+whoever divides the loss by the number of micro-batches: `set_aux_loss_scale(model, s)` (the shared
+loop: 1/k; the pipeline executor: 1/m; the single-device reference: the default 1). The reported
+loss stays the cross-entropy; `aux_loss(model)` is the Σ over layers of the last forward's aux.
+
+Capacity (capacity_factor None: dropless, the default): C = ceil(cf · T · k / E) slots per expert
+per sequence, kept first come first kept in position order (t < t' ⇒ (t, j) before (t', j')). A
+dropped slot contributes 0 (its g is not redistributed); the token keeps its other slots and the
+residual. Per sequence, decided by the router before dispatch: the same under DP and EP.
+
+The seams (expert parallelism replaces the dispatcher and holds a slice of the experts):
+    plan = route(logits, top_k, gate, capacity_factor)     RoutingPlan: [N, k] experts, g, kept
+    inputs, counts = dispatcher.dispatch(x, plan)          rows grouped by expert; counts: host ints
+    outputs = experts(inputs, counts)                      a function of (inputs, counts, w1, w2, w3)
+    y = dispatcher.combine(outputs, plan)                  un-permute, Σ_j g_nj · out_nj
+Tokens are rows n = b·T + t of x [N, dim]. `LocalDispatcher` holds every expert. An all-to-all
+dispatcher over an EP group of size ep holds experts [r·E/ep, (r+1)·E/ep) (GroupedExperts' w1/w3
+[E, hidden, dim] and w2 [E, dim, hidden] sliced on dim 0), sends the rows `permute` groups by
+global expert to their ranks, returns the received rows grouped by local expert with the local
+counts, and sends the outputs back in combine, then `unpermute` as here; it may keep what combine
+needs between the two calls (they come in pairs within one forward). Route on the whole sequence:
+sequence or context parallelism would need the per-sequence sums across ranks.
+
+Host reads: `counts.tolist()` once per MoE layer forward (dropless group sizes, and an all-to-all's
+split sizes, are data-dependent; grouped-GEMM kernels with device offsets avoid it on recent GPUs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GATES = ("softmax", "sigmoid")
+
+
+@dataclass
+class RoutingPlan:
+    """The router's decision for N tokens: token n's k experts `experts[n]` (global ids), their
+    gate weights `weights[n]` (autograd attached, the activations' dtype) and `kept[n]` (False:
+    dropped by capacity). Slot s = n·k + j."""
+
+    experts: torch.Tensor  # [N, k] int64
+    weights: torch.Tensor  # [N, k]
+    kept: torch.Tensor  # [N, k] bool
+    n_experts: int
+
+    @property
+    def top_k(self) -> int:
+        return self.experts.shape[1]
+
+    @cached_property
+    def order(self) -> torch.Tensor:
+        """All N·k slots sorted by expert, stably (by position within an expert), dropped last:
+        the first Σ counts are the kept slots, grouped by expert."""
+        key = torch.where(self.kept, self.experts, self.n_experts).flatten()
+        return torch.sort(key, stable=True).indices
+
+    @cached_property
+    def counts(self) -> torch.Tensor:
+        """[E] kept slots per expert (on the device)."""
+        key = torch.where(self.kept, self.experts, self.n_experts).flatten()
+        return torch.bincount(key, minlength=self.n_experts + 1)[: self.n_experts]
+
+
+def capacity(capacity_factor: float, seq_len: int, top_k: int, n_experts: int) -> int:
+    """C = ceil(cf · T · k / E), the factor taken as written (1.1 is 11/10: no float rounding)."""
+    return math.ceil(Fraction(str(capacity_factor)) * seq_len * top_k / n_experts)
+
+
+def capacity_mask(experts: torch.Tensor, n_experts: int, cap: int) -> torch.Tensor:
+    """experts [B, T, k] → kept [B, T, k]: slot (t, j) of a sequence is kept iff fewer than `cap`
+    slots of earlier positions t' < t of that sequence chose the same expert."""
+    B, T, k = experts.shape
+    one_hot = F.one_hot(experts, n_experts).flatten(1, 2)  # [B, T·k, E], slot order (t, j)
+    arrival = (one_hot.cumsum(1) * one_hot).sum(-1)  # 1-based place of the slot in its expert's queue
+    return (arrival <= cap).view(B, T, k)
+
+
+def sequence_balance_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """[B] per-sequence Σ_i f_bi · P_bi from p' [B, T, E] and the chosen experts [B, T, k]."""
+    _, T, E = probs.shape
+    k = experts.shape[-1]
+    chosen = F.one_hot(experts, E).sum((1, 2)).to(probs.dtype)  # [B, E]
+    f = chosen * E / (k * T)
+    return (f * probs.mean(1)).sum(-1)
+
+
+def route(logits: torch.Tensor, top_k: int, gate: str, capacity_factor: float | None
+          ) -> tuple[RoutingPlan, torch.Tensor]:
+    """logits [B, T, E] → (the plan over N = B·T tokens, the per-sequence balance terms [B])."""
+    _, T, E = logits.shape
+    scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if gate == "softmax":
+        probs = scores.softmax(-1)
+        normalised = probs
+    elif gate == "sigmoid":
+        probs = scores.sigmoid()
+        normalised = probs / probs.sum(-1, keepdim=True)
+    else:
+        raise ValueError(f"gate={gate!r}: use one of {', '.join(GATES)}")
+    experts = scores.topk(top_k, dim=-1).indices  # [B, T, k]
+    chosen = probs.gather(-1, experts)
+    weights = (chosen / chosen.sum(-1, keepdim=True)).to(logits.dtype)
+    kept = (torch.ones_like(experts, dtype=torch.bool) if capacity_factor is None
+            else capacity_mask(experts, E, capacity(capacity_factor, T, top_k, E)))
+    plan = RoutingPlan(experts.flatten(0, 1), weights.flatten(0, 1), kept.flatten(0, 1), E)
+    return plan, sequence_balance_loss(normalised, experts)
+
+
+def permute(x: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, list[int]]:
+    """x [N, dim] → (one row per kept slot, grouped by expert [Σ counts, dim], counts as ints)."""
+    counts = plan.counts.tolist()  # the layer's one host read
+    return x[plan.order[: sum(counts)] // plan.top_k], counts
+
+
+def unpermute(outputs: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+    """Outputs of the kept slots, in `permute`'s order → y [N, dim] = Σ_j g_nj · out_nj (a dropped
+    slot's out is 0). Un-permuted by a plain store into slot order, then summed over k per token:
+    no scatter-add, so the sum order is fixed on every device."""
+    N, k = plan.experts.shape
+    slots = outputs.new_zeros(N * k, outputs.shape[-1])
+    slots[plan.order[: outputs.shape[0]]] = outputs
+    return (slots.view(N, k, -1) * plan.weights.unsqueeze(-1)).sum(1)
+
+
+class LocalDispatcher:
+    """Every expert on this device: dispatch = `permute`, combine = `unpermute`."""
+
+    def dispatch(self, x: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, list[int]]:
+        return permute(x, plan)
+
+    def combine(self, expert_outputs: torch.Tensor, plan: RoutingPlan) -> torch.Tensor:
+        return unpermute(expert_outputs, plan)
+
+
+def grouped_swiglu(x: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor,
+                   w3: torch.Tensor) -> torch.Tensor:
+    """Rows grouped by expert (counts[i] rows for expert i, possibly 0) → each group through its
+    expert: W2_i (silu(W1_i x) ⊙ W3_i x). Every expert runs, an empty one on 0 rows, so every
+    weight gets a gradient (zeros for an expert without tokens)."""
+    outs = [F.linear(F.silu(F.linear(xi, a)) * F.linear(xi, c), b)
+            for xi, a, b, c in zip(x.split(counts), w1.unbind(0), w2.unbind(0), w3.unbind(0), strict=True)]
+    return torch.cat(outs)
+
+
+class GroupedExperts(nn.Module):
+    """E expert SwiGLUs as stacked weights (torchtitan's shapes): w1, w3 [E, hidden, dim], w2
+    [E, dim, hidden]. Expert parallelism keeps a slice of dim 0 (this module with E/ep experts)."""
+
+    def __init__(self, n_experts: int, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return grouped_swiglu(x, counts, self.w1, self.w2, self.w3)
+
+
+class MoEAuxLossAutoScaler(torch.autograd.Function):
+    """Megatron's trick: forward returns `output`; backward passes its gradient through and gives
+    `aux_loss` the gradient `scale` (as if scale · aux_loss were added to the loss). Unlike
+    Megatron's class-wide scale, the scale is an argument, fixed at forward."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale, ctx.aux_shape = scale, aux_loss.shape
+        ctx.aux_dtype, ctx.aux_device = aux_loss.dtype, aux_loss.device
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        aux_grad = torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=ctx.aux_device)
+        return grad_output, aux_grad, None
+
+
+class MoEFeedForward(nn.Module):
+    """The MoE feed-forward: router → plan → dispatch → experts → combine (+ the shared expert),
+    the aux loss attached to the output by MoEAuxLossAutoScaler. x [B, T, dim] → [B, T, dim].
+    `dispatcher` is the seam expert parallelism swaps (like Attention.attend for CP)."""
+
+    def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int, gate: str = "softmax",
+                 aux_loss_coef: float = 0.0, capacity_factor: float | None = None,
+                 shared_expert: nn.Module | None = None):
+        super().__init__()
+        self.top_k, self.gate = top_k, gate
+        self.aux_loss_coef, self.capacity_factor = aux_loss_coef, capacity_factor
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.experts = GroupedExperts(n_experts, dim, hidden_dim)
+        self.shared_expert = shared_expert
+        self.dispatcher: LocalDispatcher = LocalDispatcher()
+        self.aux_loss_scale = 1.0  # set_aux_loss_scale: 1/(micro-batches the loss is divided by)
+        self.last_aux_loss: torch.Tensor | None = None  # detached, for reports
+        self.last_tokens_per_expert: torch.Tensor | None = None  # [E] choices before drops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        plan, balance = route(self.router(x), self.top_k, self.gate, self.capacity_factor)
+        flat = x.reshape(B * T, D)
+        inputs, counts = self.dispatcher.dispatch(flat, plan)
+        y = self.dispatcher.combine(self.experts(inputs, counts), plan)
+        if self.shared_expert is not None:
+            y = y + self.shared_expert(flat)
+        y = y.view(B, T, D)
+        aux = self.aux_loss_coef * balance.mean()
+        self.last_aux_loss = aux.detach()
+        self.last_tokens_per_expert = torch.bincount(plan.experts.flatten(), minlength=plan.n_experts)
+        if self.aux_loss_coef and torch.is_grad_enabled():
+            y = MoEAuxLossAutoScaler.apply(y, aux, self.aux_loss_scale)
+        return y
+
+
+def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
+    return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+
+
+def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
+    """Every MoE layer of `model` (a wrapper, a pipeline chunk) backpropagates scale · its aux
+    loss: the factor its caller divides each micro-batch's loss by (1/k, 1/m; 1 on one device)."""
+    for layer in moe_layers(model):
+        layer.aux_loss_scale = scale
+
+
+def aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """Σ over the MoE layers of the last forward's aux loss (detached), None without MoE layers."""
+    values = [m.last_aux_loss for m in moe_layers(model) if m.last_aux_loss is not None]
+    return torch.stack(values).sum() if values else None
+
+
+def active_parameters(model: nn.Module) -> int:
+    """Parameters a token runs through: all, less the (E - k) routed experts it skips per layer."""
+    total = sum(p.numel() for p in model.parameters())
+    for m in moe_layers(model):
+        E = m.experts.w1.shape[0]
+        total -= sum(p.numel() for p in m.experts.parameters()) * (E - m.top_k) // E
+    return total
