@@ -39,8 +39,8 @@ PACKAGES: dict[str, str] = dict(re.findall(
     re.M))
 FOLDERS = {folder: name for name, folder in PACKAGES.items()}
 
-KERNEL = ("common/clip.py", "common/collectives.py", "common/model.py", "common/optimizer_bytes.py",
-          "common/p2p_plan.py")
+KERNEL = ("common/clip.py", "common/collectives.py", "common/model.py", "common/moe.py",
+          "common/optimizer_bytes.py", "common/p2p_plan.py")
 COMPOSES = {"parallel3d": ("fsdp", "tensor_parallel", "pipeline")}
 OPTIONAL = {"matplotlib": "06's timeline plots", "safetensors": "07's Hugging Face export"}
 NOT_CORE = re.compile(  # the before-stop hook's exemption pattern
@@ -93,7 +93,7 @@ COPY_SETS: dict[str, CopySet] = {
         "from pipeline.executor import PipelineExecutor; from pipeline.schedules import make_schedule",
         ("06_pipeline/executor.py", "06_pipeline/schedules.py", "common/clip.py"),  # the norm over stages
         ("06_pipeline/backward_split.py", "06_pipeline/executor.py", "06_pipeline/p2p.py",
-         "06_pipeline/schedules.py", "06_pipeline/timeline.py", "common/clip.py")),
+         "06_pipeline/schedules.py", "06_pipeline/timeline.py", "common/clip.py", "common/moe.py")),
     "parallelize_3d": CopySet(
         "07_3d/README.md",
         "from parallel3d.parallelize import parallelize_3d; from parallel3d.clip import clip_grad_norm_3d",
@@ -106,7 +106,7 @@ COPY_SETS: dict[str, CopySet] = {
          "06_pipeline/schedules.py", "06_pipeline/stage.py", "06_pipeline/timeline.py",
          "07_3d/checkpoint/reshard.py", "07_3d/clip.py", "07_3d/mesh.py", "07_3d/parallelize.py",
          "07_3d/recompute.py", "07_3d/shards.py", "common/clip.py", "common/collectives.py",
-         "common/model.py")),
+         "common/model.py", "common/moe.py")),
     "checkpoint save/load": CopySet(
         "07_3d/checkpoint/README.md",
         "from parallel3d.checkpoint.save import save_checkpoint; "

@@ -53,6 +53,7 @@ BUDGET_S: dict[str, tuple[tuple[str, ...], float]] = {
     "notebooks (lessons, exercises)": (("test_notebooks.py", "test_exercises.py"), 188),
     "labs (the grader on each lab)": (("test_lab_*.py",), 180),
     "benches (each exits)": (("test_benches.py",), 67),
+    "moe (the layer, its training, expert parallelism)": (("test_moe*.py", "test_expert_parallel.py"), 50),
 }
 _seconds: dict[str, float] = defaultdict(float)
 

@@ -73,8 +73,8 @@ def test_each_readme_gives_its_pieces_copy_sets():
 
 def lay_out(files: tuple[str, ...], root: Path) -> Path:
     """`files` copied into `root` under their package names, an empty __init__.py in each
-    package folder; the user's model (common/model.py as `user_model`) beside them when the set
-    does not hold it."""
+    package folder; the user's model (common/model.py as `user_model`, and the common/moe.py it
+    imports) beside them when the set does not hold it."""
     for f in files:
         dest = root / copy_sets.copy_path(f)
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -82,8 +82,12 @@ def lay_out(files: tuple[str, ...], root: Path) -> Path:
         for folder in dest.relative_to(root).parents:
             if folder != Path("."):
                 (root / folder / "__init__.py").touch()
-    if "common/model.py" not in files:
+    if "common/model.py" not in files:  # the user's model, with the MoE layer it imports
         shutil.copy(ROOT / "common/model.py", root / "user_model.py")
+        (root / "common").mkdir(exist_ok=True)
+        (root / "common/__init__.py").touch()
+        if not (root / "common/moe.py").exists():
+            shutil.copy(ROOT / "common/moe.py", root / "common/moe.py")
     return root
 
 

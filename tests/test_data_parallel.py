@@ -20,6 +20,7 @@ from common.cli import ConfigError, batch_layout
 from common.comm import CommMeter
 from common.data import local_micro_batches, split_inputs_targets
 from common.dist import init_distributed
+from common.forkrun import torchrun_forked
 from common.model import build_model, get_config, loss_fn
 from common.reference import TOLERANCE
 from common.training import run
@@ -249,13 +250,13 @@ def test_train_check_fails_on_a_broken_strategy_on_every_rank(pools, dtype):
 
 @pytest.mark.slow
 def test_torchrun_check_exits_zero_with_json_report(tmp_path):
-    """The issue's 'done when': `make run-1 ARGS="--dtype float64 --check"` (on 2 ranks, tiny)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    """The issue's 'done when': `make run-1 ARGS="--dtype float64 --check"` (on 2 ranks, tiny), on
+    forked ranks (torchrun itself launches chapter 01 in tests/test_gpu_check.py)."""
+    proc = torchrun_forked(
+        ["--standalone", "--nproc-per-node", "2",
          "01_data_parallel/train.py", "--dtype", "float64", "--check", "--model", "tiny",
          "--steps", "3", "--report", str(tmp_path / "r.json")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["max_param_diff"] <= 1e-10 and report["check_passed"]
