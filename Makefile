@@ -17,7 +17,7 @@ endif
 CHAPTERS := 1 2 3 4 5 6 7
 RUNS     := $(addprefix run-,$(CHAPTERS))
 BENCHES  := $(addprefix bench-,$(CHAPTERS))
-TESTS    := $(addprefix test-,$(CHAPTERS) common checkpoints notebooks benches)
+TESTS    := $(addprefix test-,$(CHAPTERS) common checkpoints notebooks labs benches moe)
 .PHONY: lab-check setup test test-fast test-thorough $(TESTS) lint notebooks lab bench bench-5-cp gpu-check clean help $(RUNS) $(BENCHES)
 
 help:
@@ -26,7 +26,7 @@ help:
 	@echo "make bench-N         chapter N's benchmark against torch's built-in equivalent"
 	@echo "make bench-5-cp      context parallelism: ring attention vs the all-gather variant"
 	@echo "make test-fast       a contributor's few minutes: one example per property, no notebooks or launches"
-	@echo "make test-N          one chapter's tests (N = 1..7, common, checkpoints, notebooks, benches)"
+	@echo "make test-N          one chapter's tests (N = 1..7, common, checkpoints, notebooks, labs, benches, moe)"
 	@echo "make test-thorough   the suite with many hypothesis examples"
 	@echo "make notebooks       execute every lesson.ipynb in place"
 	@echo "make lab-check N=1   grade your lab (0N_*/lab.py) against one device; SOLUTION=1 grades the reference"

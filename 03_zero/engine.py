@@ -14,7 +14,7 @@ reduces once; stages 2-3 reduce every micro-batch into the shard. Stage 3
 partitions the parameters themselves, so it needs the module's units, each gathered whole (a
 transformer block, or a module the blocks leave out: `flat.module_units`), and hooks on them that
 gather a unit before it runs and free it after ([`stage3.py`](stage3.py)). A module built on the
-meta device takes `param_init_fn(name)` (the full initial values of each parameter) and `device`:
+meta device takes `init_values_fn(name)` (the full initial values of each parameter) and `device`:
 the flat buffers are filled one group at a time, so at stage 3 a rank never holds more than its
 shards and one unit (twice: the values and their cast copy). Depends only on torch (and
 common/clip.py and common/collectives.py through the optimizer).
@@ -46,7 +46,7 @@ class ZeroEngine:
     def __init__(self, module: nn.Module, optimizer_class: Callable[..., torch.optim.Optimizer],
                  config: ZeroConfig | None = None, process_group=None,
                  gradient_accumulation_steps: int | None = None, unit_policy: UnitPolicy | None = None,
-                 param_init_fn: Callable[[str], torch.Tensor] | None = None,
+                 init_values_fn: Callable[[str], torch.Tensor] | None = None,
                  device: torch.device | None = None, ownership: str = "slice", **defaults):
         config = config or ZeroConfig()
         gas = gradient_accumulation_steps or config.gradient_accumulation_steps or 1
@@ -58,7 +58,7 @@ class ZeroEngine:
                  if config.stage == 3 else None)
         self.optimizer = ZeroOptimizer(
             [p for _, p in named], optimizer_class, process_group=process_group, ownership=ownership,
-            param_names={p: n for n, p in named}, units=units, param_init_fn=param_init_fn, device=device,
+            param_names={p: n for n, p in named}, units=units, init_values_fn=init_values_fn, device=device,
             **optimizer_arguments(config), **defaults)
         self.stage, self.gas, self.micro_step = config.stage, gas, 0
         self.optimizer.end_of_backward_hooks.append(self._count_micro_step)

@@ -70,7 +70,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     `offload_optimizer` (master, state and step on the CPU), `pin_memory`. Building it and
     `add_param_group` are collectives, and so are `step`, `clip_grad_norm_` and `state_dict`.
     For `ZeroEngine` (stage 3): `param_names` ({param: name}, for messages), `units`,
-    `offload_param`, `param_init_fn` and `device` (a model built on the meta device)."""
+    `offload_param`, `init_values_fn` and `device` (a model built on the meta device)."""
 
     BUCKETS = ("reduce_bucket_size", "allgather_bucket_size")
 
@@ -80,7 +80,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  overlap_comm: bool = True, contiguous_gradients: bool = True, bf16: bool = False,
                  offload_optimizer: bool = False, pin_memory: bool = True,
                  param_names: Mapping[nn.Parameter, str] | None = None, units: list[Unit] | None = None,
-                 offload_param: bool = False, param_init_fn: Callable[[str], torch.Tensor] | None = None,
+                 offload_param: bool = False, init_values_fn: Callable[[str], torch.Tensor] | None = None,
                  device: torch.device | None = None, **defaults):
         if ownership not in OWNERSHIPS:
             raise ValueError(f"ownership={ownership!r}: use 'slice' or 'parameter'")
@@ -103,7 +103,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.offload_optimizer, self.offload_param = offload_optimizer, offload_param
         self.pin_memory = pin_memory
         self.optimizer_class, self.optim = optimizer_class, None
-        self.param_names, self.units, self.param_init_fn = param_names or {}, units, param_init_fn
+        self.param_names, self.units, self.init_values_fn = param_names or {}, units, init_values_fn
         self.device = None if device is None else torch.device(device)
         self.flat_groups: list[FlatGroup] = []
         self.unit_groups: list[tuple[nn.Module, FlatGroup]] = []  # stage 3: (module, its group)
@@ -184,7 +184,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         shard_grads = []
         for g in groups:
             # the model's own values (fp32 masters are exact), or for a meta model its initial ones
-            values = g.full_values(self.param_dtype, self.device, self.param_init_fn)
+            values = g.full_values(self.param_dtype, self.device, self.init_values_fn)
             if self.world > 1:
                 dist.broadcast(values, src=src, group=self.group)
             own = values[g.start : g.start + g.shard_size]

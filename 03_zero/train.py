@@ -170,7 +170,7 @@ class ZeroStrategy(Strategy):
         init = initializer(cfg, args.seed) if sharded else None
         self.engine = ZeroEngine(model, lambda ps: make_optimizer(ps, args.optimizer, args.lr), config,
                                  process_group, gradient_accumulation_steps=run.grad_accum,
-                                 unit_policy=self.unit_policy, param_init_fn=init, device=ctx.device)
+                                 unit_policy=self.unit_policy, init_values_fn=init, device=ctx.device)
         self.model, self.optimizer, self.config = model, self.engine.optimizer, config
         self.clip_grad, self.grad_norm = config.clip, None
         self.name = f"zero-{config.stage}" + ("-offload" if config.offload else "")
