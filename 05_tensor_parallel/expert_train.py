@@ -1,8 +1,5 @@
 """Chapter 05 demo, MoE models: data parallelism over every rank, the experts sharded over EP
 groups of `ep` consecutive ranks (expert_parallel.py's all-to-all dispatch), exact against one device.
-
-    make run-5 NPROC=4 ARGS="--model tiny-moe --ep 2 --dtype float64 --check --steps 3"
-
 Rank r takes its own rows (dp = world) and holds experts [i·E/ep, (i+1)·E/ep) of every MoE layer,
 i = r mod ep; every other parameter is replicated. The global loss is the mean of the W ranks'
 losses, so its gradient is (1/W) Σ_r ∂L_r. Non-expert gradients: SUM over the world, / W. An
@@ -19,19 +16,17 @@ plus the count exchange (ep-1)/ep · E · 8 bytes (int64). Load: rows this rank'
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 import torch.distributed as dist
 
-from common.cli import DTYPES, BatchLayout, ConfigError, batch_layout, model_config, require
+from common.cli import DTYPES, BatchLayout, batch_layout, model_config, require
 from common.clip import clip_grad_norm_
 from common.collectives import all_gather_single
-from common.data import split_inputs_targets
 from common.dist import DistContext
 from common.memory import optimizer_state_tensors, storage_bytes
 from common.mixed_precision import MasterWeights
-from common.model import build_model, initializer, loss_fn, materialize
+from common.model import build_model, initializer, materialize
 from common.moe import RoutingPlan
 from common.optimizer_bytes import optimizer_state_bytes
 from common.reference import make_optimizer
@@ -63,15 +58,8 @@ def validate_moe(args: argparse.Namespace, world_size: int) -> BatchLayout:
     return batch_layout(args.global_batch, world_size, args.micro_batch, args.grad_accum)
 
 
-def refuse_ep_without_experts(args: argparse.Namespace) -> None:
-    if args.ep is not None:
-        raise ConfigError(f"--ep {args.ep} with --model {args.model}: the model has no experts: drop "
-                          f"--ep, or use a mixture-of-experts model (e.g. --model tiny-moe)")
-
-
 def expert_groups(rank: int, world: int, ep: int):
-    """(EP group: ranks [r - i, r - i + ep), i = r mod ep; replica group: {i, i + ep, …}, the
-    ranks holding the same experts). Every rank creates every group, in the same order."""
+    """(EP group [r - i, r - i + ep), replica group {i, i + ep, …}: same experts), i = r mod ep."""
     ep_group = replica_group = None
     for start in range(0, world, ep):
         group = dist.new_group(list(range(start, start + ep)))
@@ -83,8 +71,7 @@ def expert_groups(rank: int, world: int, ep: int):
 
 
 class CountingDispatcher(AllToAllDispatcher):
-    """The all-to-all dispatcher, noting per dispatch (from the routing counts) A = rows sent to
-    other ranks, B = rows received from them, and the rows this rank's experts process."""
+    """The all-to-all dispatcher, logging per dispatch from the routing counts (A, B, rows here)."""
 
     def __init__(self, group, n_experts: int):
         super().__init__(group, n_experts)
@@ -100,8 +87,7 @@ class CountingDispatcher(AllToAllDispatcher):
 
 
 class ExpertParallelStrategy(Strategy):
-    """DP over the world, experts over EP groups; gradients averaged in `after_backward` (see the
-    module docstring); fp32 masters in mixed precision, as in TensorParallelStrategy."""
+    """DP over the world, experts over EP groups, fp32 masters in mixed precision (as TP's)."""
 
     def __init__(self, args: argparse.Namespace, ctx: DistContext, layout: BatchLayout):
         cfg, self.mixed = model_config(args), args.mixed_precision == "bf16"
@@ -126,12 +112,8 @@ class ExpertParallelStrategy(Strategy):
         self.name, self.mesh = "ep", {"dp": self.world, "ep": self.ep}
         self.dim, self.n_experts, self.device = cfg.dim, cfg.n_experts, ctx.device
         self.e = self.model.output.weight.itemsize
-        self.reduce_itemsize = 4 if self.mixed else self.e
+        self.reduce_itemsize = 4 if self.mixed else self.e  # fp32 master gradients in mixed precision
         self.steps_log: list[list[tuple[int, int, int]]] = []
-
-    def micro_batch_loss(self, tokens: torch.Tensor) -> torch.Tensor:
-        inputs, targets = split_inputs_targets(tokens)
-        return loss_fn(self.model(inputs), targets)
 
     def _named(self, grads: bool) -> dict[str, torch.Tensor]:
         return {n: (m.grad if grads else m) for n, m in zip(self.names, self.weights.master, strict=True)}
@@ -150,8 +132,7 @@ class ExpertParallelStrategy(Strategy):
                 g.copy_(chunk.view_as(g))
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """‖g‖² summed over the EP group: its expert slices are disjoint, the replicated rest
-        counted on its rank 0 only."""
+        """‖g‖² summed over the EP group: disjoint expert slices, the rest counted on its rank 0."""
         grads = self._named(True)
         first = dist.get_rank(self.ep_group) == 0
         counted = [g for n, g in grads.items() if is_expert(n) or first]
@@ -159,14 +140,11 @@ class ExpertParallelStrategy(Strategy):
 
     def _full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The experts gathered over the EP group (rank i's slice is rows [i·E/ep, (i+1)·E/ep))."""
-        out = {}
-        for n, t in tensors.items():
-            t = t.detach()
+        out = {n: t.detach() for n, t in tensors.items()}
+        for n, t in out.items():
             if is_expert(n) and self.ep > 1:
-                full = t.new_empty(self.ep * t.shape[0], *t.shape[1:])
-                all_gather_single(full, t.contiguous(), group=self.ep_group)
-                t = full
-            out[n] = t
+                out[n] = t.new_empty(self.ep * t.shape[0], *t.shape[1:])
+                all_gather_single(out[n], t.contiguous(), group=self.ep_group)
         return out
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
@@ -210,8 +188,7 @@ class ExpertParallelStrategy(Strategy):
             "params": P * self.e, "grads": P * self.reduce_itemsize, "optimizer": opt}
 
     def report_extras(self) -> dict:
-        """The all-to-all formula and, per step, max/mean of the rows each EP rank's experts
-        processed (over its EP group; the worst group) — a collective, on every rank."""
+        """The all-to-all formula; per step, max/mean rows per EP rank (worst group). A collective."""
         load = torch.tensor([sum(n for _, _, n in step) for step in self.steps_log],
                             dtype=torch.float64, device=self.device)
         every = [torch.empty_like(load) for _ in range(self.world)]
@@ -220,4 +197,4 @@ class ExpertParallelStrategy(Strategy):
         imbalance = (rows.amax(-1) / rows.mean(-1).clamp_min(1e-300)).amax(-1)
         return {"ep": self.ep, "ep_all_to_all_bytes_formula": self.all_to_all_formula(),
                 "ep_rows_per_rank": rows.flatten(1).tolist(), "ep_load_imbalance": imbalance.tolist(),
-                "ep_load_imbalance_max": max(imbalance.tolist(), default=math.nan)}
+                "ep_load_imbalance_max": imbalance.max().item()}

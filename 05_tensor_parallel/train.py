@@ -53,7 +53,7 @@ from tensor_parallel import (
     vocab_parallel_loss,
     zigzag_positions,
 )
-from tensor_parallel.expert_train import ExpertParallelStrategy, refuse_ep_without_experts, validate_moe
+from tensor_parallel.expert_train import ExpertParallelStrategy, validate_moe
 from tensor_parallel.formulas import (
     Shape,
     block_comm_bytes,
@@ -87,7 +87,8 @@ def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
     validate_common(args)
     if model_config(args).n_experts:  # a MoE model: expert parallelism (expert_train.py)
         return validate_moe(args, world_size)
-    refuse_ep_without_experts(args)
+    require(args.ep is None, f"--ep {args.ep} with --model {args.model}: the model has no experts: "
+                             f"drop --ep, or use a mixture-of-experts model (e.g. --model tiny-moe)")
     cp = args.cp
     require(cp >= 1, f"--cp {cp}: must be >= 1")
     require(world_size % cp == 0, f"--cp {cp} does not divide the world of {world_size} ranks "
