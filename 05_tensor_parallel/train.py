@@ -12,6 +12,7 @@ split into tp pieces happens inside those s/cp tokens), attending over the whole
 attention. CP ranks hold the same parameters, so gradients are averaged over dp × cp (SUM, then
 / (dp·cp)): each rank's loss is the mean over its tokens, and their mean the global-token mean.
 The report prints the comm and activation formulas of formulas.py beside the measurements.
+A MoE model (--model tiny-moe) trains with expert parallelism instead: expert_train.py.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from tensor_parallel import (
     vocab_parallel_loss,
     zigzag_positions,
 )
+from tensor_parallel.expert_train import ExpertParallelStrategy, validate_moe
 from tensor_parallel.formulas import (
     Shape,
     block_comm_bytes,
@@ -64,7 +66,6 @@ from tensor_parallel.formulas import (
     model_activation_terms,
     step_comm_bytes,
 )
-from tensor_parallel.parallelize import MOE_NOT_SUPPORTED
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -75,12 +76,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="shard the norm/residual regions along the sequence (Korthikanti et al. 2022)")
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel size: each rank holds s/cp tokens (zig-zag), ring attention")
+    p.add_argument("--ep", type=int, default=None,
+                   help="MoE models only (with --tp 1 --cp 1): expert-parallel size, experts sharded "
+                        "over groups of ep consecutive ranks, dp = world (default: every rank)")
     return p.parse_args(argv)
 
 
 def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
     """Everything that can be wrong with the input, checked before any collective."""
     validate_common(args)
+    if model_config(args).n_experts:  # a MoE model: expert parallelism (expert_train.py)
+        return validate_moe(args, world_size)
+    require(args.ep is None, f"--ep {args.ep} with --model {args.model}: the model has no experts: "
+                             f"drop --ep, or use a mixture-of-experts model (e.g. --model tiny-moe)")
     cp = args.cp
     require(cp >= 1, f"--cp {cp}: must be >= 1")
     require(world_size % cp == 0, f"--cp {cp} does not divide the world of {world_size} ranks "
@@ -93,7 +101,6 @@ def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
     require(world_size % (tp * cp) == 0, f"{sizes} does not divide the world of {world_size} ranks: "
                                          f"dp = world / {over} must be whole; use a divisor of {world_size}")
     cfg = model_config(args)
-    require(cfg.n_experts == 0, f"--model {args.model}: {MOE_NOT_SUPPORTED}")
     try:
         check_cp_sizes(args.seq_len, cp)
     except ValueError as error:
@@ -248,6 +255,8 @@ class TensorParallelStrategy(Strategy):
 
 
 def build(args: argparse.Namespace, ctx: DistContext, layout: BatchLayout) -> Strategy:
+    if model_config(args).n_experts:
+        return ExpertParallelStrategy(args, ctx, layout)
     return TensorParallelStrategy(args, ctx, layout)
 
 

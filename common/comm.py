@@ -7,7 +7,7 @@ the group size):
 
     all_reduce                          2(n-1)/n · S
     all_gather_*, reduce_scatter_*      (n-1)/n · S
-    all_to_all_single                   (n-1)/n · S
+    all_to_all_single                   (n-1)/n · S; with input splits: the rows sent to the others
     broadcast                           S            (0 when n = 1)
     send, isend                         S
     recv, irecv                         S received   (listed, but not in `bytes_sent`)
@@ -44,6 +44,15 @@ def _fraction(n: int, factor: float) -> float:
     return factor * (n - 1) / n if n > 1 else 0.0
 
 
+def _all_to_all_bytes(args, kwargs) -> float:
+    """Even: (n-1)/n · S; uneven (input_split_sizes): S less the rows this rank keeps for itself."""
+    x, group, splits = _arg(args, kwargs, 1, "input"), _arg(args, kwargs, 4, "group"), _arg(
+        args, kwargs, 3, "input_split_sizes")
+    if not splits:
+        return _fraction(_group_size(group), 1.0) * _nbytes(x)
+    return (sum(splits) - splits[dist.get_rank(group)]) * _nbytes(x) / max(sum(splits), 1)
+
+
 # op name → (args, kwargs) ↦ bytes this rank sends
 _COST: dict[str, Callable] = {
     "all_reduce": lambda a, k: _fraction(_group_size(_arg(a, k, 2, "group")), 2.0)
@@ -56,8 +65,7 @@ _COST: dict[str, Callable] = {
     * _nbytes(_arg(a, k, 1, "input")),
     "reduce_scatter_single": lambda a, k: _fraction(_group_size(_arg(a, k, 3, "group")), 1.0)
     * _nbytes(_arg(a, k, 1, "input")),
-    "all_to_all_single": lambda a, k: _fraction(_group_size(_arg(a, k, 4, "group")), 1.0)
-    * _nbytes(_arg(a, k, 1, "input")),
+    "all_to_all_single": _all_to_all_bytes,
     "all_gather": lambda a, k: (_group_size(_arg(a, k, 2, "group")) - 1)
     * _nbytes(_arg(a, k, 1, "tensor")),
     "broadcast": lambda a, k: _nbytes(_arg(a, k, 0, "tensor"))
