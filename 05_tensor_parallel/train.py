@@ -12,7 +12,7 @@ split into tp pieces happens inside those s/cp tokens), attending over the whole
 attention. CP ranks hold the same parameters, so gradients are averaged over dp × cp (SUM, then
 / (dp·cp)): each rank's loss is the mean over its tokens, and their mean the global-token mean.
 The report prints the comm and activation formulas of formulas.py beside the measurements.
-A MoE model (--model tiny-moe) trains with expert parallelism instead: expert_train.py.
+A MoE model (--model tiny-moe) trains with expert parallelism instead: train_expert.py.
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ from tensor_parallel import (
     vocab_parallel_loss,
     zigzag_positions,
 )
-from tensor_parallel.expert_train import ExpertParallelStrategy, validate_moe
 from tensor_parallel.formulas import (
     Shape,
     block_comm_bytes,
@@ -66,6 +65,7 @@ from tensor_parallel.formulas import (
     model_activation_terms,
     step_comm_bytes,
 )
+from tensor_parallel.train_expert import ExpertParallelStrategy, validate_moe
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
     """Everything that can be wrong with the input, checked before any collective."""
     validate_common(args)
-    if model_config(args).n_experts:  # a MoE model: expert parallelism (expert_train.py)
+    if model_config(args).n_experts:  # a MoE model: expert parallelism (train_expert.py)
         return validate_moe(args, world_size)
     require(args.ep is None, f"--ep {args.ep} with --model {args.model}: the model has no experts: "
                              f"drop --ep, or use a mixture-of-experts model (e.g. --model tiny-moe)")

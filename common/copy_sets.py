@@ -44,7 +44,7 @@ KERNEL = ("common/clip.py", "common/collectives.py", "common/model.py", "common/
 COMPOSES = {"parallel3d": ("fsdp", "tensor_parallel", "pipeline")}
 OPTIONAL = {"matplotlib": "06's timeline plots", "safetensors": "07's Hugging Face export"}
 NOT_CORE = re.compile(  # the before-stop hook's exemption pattern
-    r"(^|/)(train|bench[a-z_]*|__init__|exercises|solutions|lab[a-z_0-9]*|torch_[a-z0-9_]*)\.py$")
+    r"(^|/)(train[a-z_]*|bench[a-z_]*|__init__|exercises|solutions|lab[a-z_0-9]*|torch_[a-z0-9_]*)\.py$")
 
 
 @dataclass(frozen=True)

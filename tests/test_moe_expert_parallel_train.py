@@ -1,4 +1,4 @@
-"""05_tensor_parallel/train.py on a MoE model: expert parallelism (expert_train.py) trains tiny-moe
+"""05_tensor_parallel/train.py on a MoE model: expert parallelism (train_expert.py) trains tiny-moe
 exactly like one device (float64, --check at 1e-10, with clipping and gradient accumulation), the
 meter's all-to-all bytes equal the formula from the routing counts, the report's load imbalance
 is the max/mean of its rows per rank; bad --ep / --tp / --cp fail on every rank before any collective."""
