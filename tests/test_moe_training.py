@@ -74,7 +74,7 @@ def test_tensor_and_context_parallelism_refuse_a_moe_model():
     """05's TP and CP (and 07, which applies 05's plan to every chunk) refuse MoE loudly rather than
     shard the router's per-sequence sums or skip the experts: in validate (before any collective,
     naming expert parallelism as the fix), and in parallelize_llama for a caller that skips it."""
-    with pytest.raises(ConfigError, match="--model tiny-moe is a mixture-of-experts model: .* with --ep N"):
+    with pytest.raises(ConfigError, match=r"--model tiny-moe is a mixture-of-experts model: .* with --ep N"):
         validate(parse_args(["--model", "tiny-moe", "--tp", "2"]), 2)
     with pytest.raises(ValueError, match="mixture-of-experts"):
         parallelize_llama(build_model(get_config("tiny-moe"), device="meta"), tp_group=None)
