@@ -18,13 +18,14 @@ CHAPTERS := 1 2 3 4 5 6 7
 RUNS     := $(addprefix run-,$(CHAPTERS))
 BENCHES  := $(addprefix bench-,$(CHAPTERS))
 TESTS    := $(addprefix test-,$(CHAPTERS) common checkpoints notebooks labs benches moe)
-.PHONY: lab-check setup test test-fast test-thorough $(TESTS) lint notebooks lab bench bench-5-cp gpu-check clean help $(RUNS) $(BENCHES)
+.PHONY: lab-check setup test test-fast test-thorough $(TESTS) lint notebooks lab bench bench-5-cp bench-5-ep gpu-check clean help $(RUNS) $(BENCHES)
 
 help:
 	@echo "make test            create .venv, install, run the equivalence suite (CI runs this)"
 	@echo "make run-N           launch chapter N with torchrun (NPROC=…, ARGS=\"--steps 50 …\")"
 	@echo "make bench-N         chapter N's benchmark against torch's built-in equivalent"
 	@echo "make bench-5-cp      context parallelism: ring attention vs the all-gather variant"
+	@echo "make bench-5-ep      expert parallelism: all-to-all vs an all-gather baseline vs replicated experts"
 	@echo "make test-fast       a contributor's few minutes: one example per property, no notebooks or launches"
 	@echo "make test-N          one chapter's tests (N = 1..7, common, checkpoints, notebooks, labs, benches, moe)"
 	@echo "make test-thorough   the suite with many hypothesis examples"
@@ -95,10 +96,15 @@ bench: $(SETUP)
 	@for d in 0*_*/; do n=$${d%%_*}; n=$${n#0}; \
 	  if [ -f "$$d/bench.py" ]; then $(MAKE) --no-print-directory bench-$$n PY=$(PY) || exit 1; fi; done
 	@$(MAKE) --no-print-directory bench-5-cp PY=$(PY)
+	@$(MAKE) --no-print-directory bench-5-ep PY=$(PY)
 
 bench-5-cp: $(SETUP)
 	@n="$(NPROC)"; [ -n "$$n" ] || n=$$($(PY) -m common.dist --nproc 5); \
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node $$n 05_tensor_parallel/bench_context_parallel.py $(ARGS)
+
+bench-5-ep: $(SETUP)
+	@n="$(NPROC)"; [ -n "$$n" ] || n=$$($(PY) -m common.dist --nproc 5); \
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node $$n 05_tensor_parallel/bench_expert_parallel.py $(ARGS)
 
 gpu-check: $(SETUP)
 	$(PY) -m common.gpu_check

@@ -42,6 +42,7 @@ BENCHES = {  # chapter directory: (ranks, the smallest flags that run every code
     "07_3d": (2, ["--model", "tiny", "--mesh", "1,1,2", "--reshard-mesh", "1,2,1", "--repeats", "1"]),
     "05_tensor_parallel/bench_context_parallel.py": (2, ["--model", "tiny", "--seq-len", "16", "--warmup",
                                                          "0", "--steps", "1"]),
+    "05_tensor_parallel/bench_expert_parallel.py": (2, ["--batch", "2", *TINY]),
 }
 
 
