@@ -14,9 +14,10 @@ Autograd: the backward of an all-to-all is the all-to-all with in- and out-split
 (`_AllToAll`), so the gradient of a row comes back to the rank that sent it. A rank may send or
 receive no row (every split 0); each expert still runs, on 0 rows, and gets a zero gradient.
 
-The host sync: the count exchange's result is read on the host (`.tolist()`) to size the receive
-buffer and the splits of the token all-to-all: on NCCL, a device→host copy after the collective,
-once per MoE layer forward (not in backward: the splits are kept). gloo would accept host
+The host syncs: two per MoE layer forward, none in backward (the splits are kept). `permute` reads
+the routing counts (as on one device), and the count exchange's result is read (`.tolist()`) to
+size the receive buffer and the token all-to-all's splits: on NCCL, a device→host copy after the
+collective (tests/test_moe_expert_parallel_plan.py counts them). gloo would accept host
 splits computed any way; NCCL needs them on the host before the call and the counts tensor on the
 rank's device. Every rank of the group calls the same collectives in the same order: two
 all-to-alls per forward (counts, rows) and one more in combine, the reverse one in backward.
