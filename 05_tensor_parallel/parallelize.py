@@ -123,7 +123,8 @@ def apply_tp_plan(module: nn.Module, group, plan: dict[str, Style] = LLAMA_TP_PL
 
 MOE_NOT_SUPPORTED = ("tensor and context parallelism of a mixture-of-experts model are not implemented "
                      "(its routing and load-balancing loss need whole sequences, its experts take expert "
-                     "parallelism, issue 27): use a dense --model here, or chapters 01-04 / 06 for MoE")
+                     "parallelism): train it with expert parallelism (train.py --ep N, train_expert.py), "
+                     "or data parallelism (chapters 01-04) or pipelining (06)")
 
 
 def parallelize_llama(model: nn.Module, tp_group, sequence_parallel: bool = False) -> dict[str, TPShard]:
