@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.clip import clip_grad_norm_
+from common.clip import clip_grads_by_global_norm_
 
 from . import flat, optimizer_state
 from .flat import FlatGroup, Unit
@@ -323,7 +323,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._require_reduced("clip_grad_norm_()")
         shards = [g.shard_grad for g in self.flat_groups]
         groups = (self.group or dist.group.WORLD,) if self.stage >= 1 else ()
-        return clip_grad_norm_(shards, max_norm, counted=shards, groups=groups, device=self.device)
+        return clip_grads_by_global_norm_(shards, max_norm, counted=shards, groups=groups, device=self.device)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Step the inner optimizer on this rank's masters (with `param_groups`' current settings)

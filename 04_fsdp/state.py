@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from common.clip import accumulate_dtype, clip_grad_norm_
+from common.clip import accumulate_dtype, clip_grads_by_global_norm_
 
 from .flat_param import FlatParamHandle, UnitShard
 from .wrap import ShardingStrategy
@@ -151,9 +151,9 @@ class ShardedStateMixin:
         self._require_root("clip_grad_norm_()")
         flats = [h.flat_param for h in self._handles()]
         sharded = self.sharding_strategy != ShardingStrategy.NO_SHARD
-        return clip_grad_norm_([p.grad for p in flats], max_norm, norm_type=norm_type,
-                               groups=(self.process_group or dist.group.WORLD,) if sharded else (),
-                               device=flats[0].device, dtype=accumulate_dtype(flats))
+        return clip_grads_by_global_norm_([p.grad for p in flats], max_norm, norm_type=norm_type,
+                                          groups=(self.process_group or dist.group.WORLD,) if sharded else (),
+                                          device=flats[0].device, dtype=accumulate_dtype(flats))
 
     # --- state dicts ---------------------------------------------------------------------------
 

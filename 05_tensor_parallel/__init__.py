@@ -55,7 +55,7 @@ Sharding description (sharding.py), for gathering, checkpoints and clipping:
     gather_tensor(local, spec) / gather_full({name: tensor}, specs) -> full tensors (collective)
     local_piece(full, spec) -> this rank's piece of a full tensor (no collective)
     TPShard.counted_here: this rank's piece enters a global norm (one rank of each piece's
-        copies): pass those grads as common.clip.clip_grad_norm_'s `counted`, groups=(tp_group,)
+        copies): pass those grads as common.clip.clip_grads_by_global_norm_'s `counted`, groups=(tp_group,)
 
 Formulas (formulas.py): activation bytes per layer (itemized, this LLaMA, t, SP) and
 communication per block; cp_comm_bytes / cp_activation_bytes for context parallelism.

@@ -32,7 +32,7 @@ from common.cli import (
     require,
     validate_common,
 )
-from common.clip import clip_grad_norm_
+from common.clip import clip_grads_by_global_norm_
 from common.data import split_inputs_targets
 from common.dist import DistContext
 from common.memory import optimizer_state_tensors, storage_bytes
@@ -199,7 +199,7 @@ class TensorParallelStrategy(Strategy):
         copies; the DP and CP ranks hold the same averaged gradients, so no sum over them."""
         grads = self._named(True)
         counted = [g for n, g in grads.items() if self.specs[n].counted_here]
-        return clip_grad_norm_(grads.values(), max_norm, counted, groups=(self.tp_group,))
+        return clip_grads_by_global_norm_(grads.values(), max_norm, counted, groups=(self.tp_group,))
 
     def full_gradients(self) -> dict[str, torch.Tensor]:
         return gather_full(self._named(True), self.specs)

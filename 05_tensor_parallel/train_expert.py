@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from common.cli import DTYPES, BatchLayout, batch_layout, model_config, require
-from common.clip import clip_grad_norm_
+from common.clip import clip_grads_by_global_norm_
 from common.collectives import all_gather_single
 from common.dist import DistContext
 from common.memory import optimizer_state_tensors, storage_bytes
@@ -136,7 +136,7 @@ class ExpertParallelStrategy(Strategy):
         grads = self._named(True)
         first = dist.get_rank(self.ep_group) == 0
         counted = [g for n, g in grads.items() if is_expert(n) or first]
-        return clip_grad_norm_(grads.values(), max_norm, counted, groups=(self.ep_group,))
+        return clip_grads_by_global_norm_(grads.values(), max_norm, counted, groups=(self.ep_group,))
 
     def _full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The experts gathered over the EP group (rank i's slice is rows [i·E/ep, (i+1)·E/ep))."""

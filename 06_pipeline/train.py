@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from common.cli import DTYPES, BatchLayout, base_parser, model_config, require, validate_common
-from common.clip import clip_grad_norm_
+from common.clip import clip_grads_by_global_norm_
 from common.data import split_inputs_targets
 from common.dist import DistContext
 from common.memory import optimizer_state_tensors, storage_bytes
@@ -144,7 +144,7 @@ class PipelineStrategy(Strategy):
         """The norm over all stages: each parameter lives on one rank, so every rank counts all it
         holds, summed over the pipeline group."""
         group = self.group if self.group is not None else dist.group.WORLD
-        return clip_grad_norm_([q.grad for q in self.weights.master], max_norm, groups=(group,),
+        return clip_grads_by_global_norm_([q.grad for q in self.weights.master], max_norm, groups=(group,),
                                device=self.device)
 
     def _gather(self, tensors: list[torch.Tensor | None]) -> dict[str, torch.Tensor] | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from common.clip import accumulate_dtype, clip_grad_norm_
+from common.clip import accumulate_dtype, clip_grads_by_global_norm_
 from parallel3d.shards import ShardMap
 
 
@@ -26,5 +26,5 @@ def clip_grad_norm_3d(shards: ShardMap, max_norm: float, norm_type: float = 2.0)
     optimizer step). Returns the norm before clipping (a 0-dim tensor on the device)."""
     flats = [u.flat_param for u in shards.units]
     counted = [shards.piece_of(p, lambda u: u.flat_param.grad) for p in shards.pieces if p.counted]
-    return clip_grad_norm_([p.grad for p in flats], max_norm, counted, groups=(dist.group.WORLD,),
+    return clip_grads_by_global_norm_([p.grad for p in flats], max_norm, counted, groups=(dist.group.WORLD,),
                            norm_type=norm_type, device=flats[0].device, dtype=accumulate_dtype(flats))

@@ -2,7 +2,7 @@
 
     ‖g‖₂ = sqrt( Σ_ranks Σ_{tensors this rank counts} ‖g_i‖² )     all-reduce (SUM) of one scalar
     ‖g‖_∞ = max_ranks max_{counted} |g_i|                            all-reduce (MAX) of one scalar
-    coef = min(1, max_norm / (‖g‖ + 1e-6));   g ← coef · g            (torch.nn.utils.clip_grad_norm_)
+    coef = min(1, max_norm / (‖g‖ + 1e-6));   g ← coef · g            (torch.nn.utils.clip_grad_norm_'s)
 
 Each element of the full model's gradient must enter the sum exactly once, so a rank *counts* a
 local tensor only if it holds that piece and no lower-ranked copy does:
@@ -18,6 +18,11 @@ norm too large by up to sqrt(t)).
 This is the course's one clipping function: each chapter's step chooses `counted` and `groups`
 and calls it. It imports only torch, so a chapter's core file that uses it stays copyable as
 "the file + common/clip.py".
+
+It takes *gradients*, not parameters, so it does not carry torch's name: torch's
+`clip_grad_norm_(model.parameters(), max_norm)` reads each `p.grad`, and a function of that name
+that scaled what it was given would scale the weights. Handed parameters (tensors that require
+grad), `clip_grads_by_global_norm_` raises, naming the call to write instead.
 """
 
 from __future__ import annotations
@@ -62,18 +67,30 @@ def global_grad_norm(counted: Iterable[torch.Tensor | None], groups: Sequence = 
     return total.sqrt() if norm_type == 2.0 else total
 
 
-def clip_grad_norm_(grads: Iterable[torch.Tensor | None], max_norm: float,
-                    counted: Iterable[torch.Tensor | None] | None = None, groups: Sequence = (),
-                    norm_type: float = 2.0, device: torch.device | None = None,
-                    dtype: torch.dtype | None = None) -> torch.Tensor:
+def _only_gradients(tensors: list[torch.Tensor], argument: str) -> list[torch.Tensor]:
+    """Refuse parameters where gradients are expected: scaling them would scale the weights."""
+    if any(t.requires_grad for t in tensors):
+        raise TypeError(
+            f"clip_grads_by_global_norm_: `{argument}` holds tensors that require grad (parameters?); "
+            "it takes gradients and scales them in place, so it would scale the weights. Pass "
+            "[p.grad for p in params], or for torch's contract on parameters call "
+            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)")
+    return tensors
+
+
+def clip_grads_by_global_norm_(grads: Iterable[torch.Tensor | None], max_norm: float,
+                               counted: Iterable[torch.Tensor | None] | None = None,
+                               groups: Sequence = (), norm_type: float = 2.0,
+                               device: torch.device | None = None,
+                               dtype: torch.dtype | None = None) -> torch.Tensor:
     """Scale every local gradient in `grads` by min(1, max_norm / (‖g‖ + 1e-6)), where ‖g‖ is the
     global norm of `counted` (default: all of `grads`; the pieces this rank owns) summed over
     `groups`. Every rank of those groups must call it. Returns the norm before clipping (a 0-dim
     tensor on the device: reading it is the caller's host sync, not this function's). The sum
     runs in `dtype` (default `accumulate_dtype(grads)`): a rank that may hold no gradient must
     pass the dtype its peers use, or the all-reduce mixes dtypes."""
-    grads = _present(grads)
-    counted = grads if counted is None else _present(counted)
+    grads = _only_gradients(_present(grads), "grads")
+    counted = grads if counted is None else _only_gradients(_present(counted), "counted")
     device = device or (grads[0].device if grads else None)  # NCCL takes no CPU scalar
     total = global_grad_norm(counted, groups, norm_type, device, dtype or accumulate_dtype(grads))
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from common.cli import DTYPES, ConfigError, exit_on_config_error, model_config
-from common.clip import clip_grad_norm_
+from common.clip import clip_grads_by_global_norm_
 from common.comm import CommMeter
 from common.data import local_micro_batches, make_data, split_inputs_targets
 from common.dist import (
@@ -157,7 +157,7 @@ class Strategy:
         gradient (common/clip.py). Default: every rank holds the whole averaged gradient of what
         the optimizer steps, so the local norm is the global one."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        return clip_grad_norm_([p.grad for p in params], max_norm)
+        return clip_grads_by_global_norm_([p.grad for p in params], max_norm)
 
     # --- --check, accounting, the report ---------------------------------------------------------
     def full_gradients(self) -> dict[str, torch.Tensor] | None:

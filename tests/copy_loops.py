@@ -206,7 +206,7 @@ def fsdp(M, model, ref, args):
 def tensor_parallel(M, model, ref, args):
     tp = importlib.import_module("tensor_parallel.parallelize")
     gather_full = importlib.import_module("tensor_parallel.sharding").gather_full
-    clip_grad_norm_ = importlib.import_module("common.clip").clip_grad_norm_
+    clip_grads_by_global_norm_ = importlib.import_module("common.clip").clip_grads_by_global_norm_
     group = dist.group.WORLD
     specs = tp.parallelize_llama(model, group, sequence_parallel=True)  # every rank: the same data
     opt, sched = adamw(model.parameters())
@@ -216,7 +216,7 @@ def tensor_parallel(M, model, ref, args):
         tokens = batch(step, 4, model.cfg.vocab_size)
         for micro in tokens.split(2):  # gradient accumulation: 2 micro-batches
             tp.vocab_parallel_loss(model.output, model(micro[:, :-1]), micro[:, 1:]).div(2).backward()
-        norm = clip_grad_norm_([p.grad for p in model.parameters()], CLIP,
+        norm = clip_grads_by_global_norm_([p.grad for p in model.parameters()], CLIP,
                                counted=[p.grad for p in counted], groups=(group,))
         opt.step()
         sched.step()
@@ -270,7 +270,7 @@ class UserStage(torch.nn.Module):
 def pipeline(M, model, ref, args):
     PipelineExecutor = importlib.import_module("pipeline.executor").PipelineExecutor
     make_schedule = importlib.import_module("pipeline.schedules").make_schedule
-    clip_grad_norm_ = importlib.import_module("common.clip").clip_grad_norm_
+    clip_grads_by_global_norm_ = importlib.import_module("common.clip").clip_grads_by_global_norm_
     rank, p, m = dist.get_rank(), dist.get_world_size(), 2
     names = {id(q): n for n, q in model.named_parameters()}
     per = model.cfg.n_layers // p
@@ -282,7 +282,8 @@ def pipeline(M, model, ref, args):
     for step in range(STEPS):
         tokens = batch(step, m, model.cfg.vocab_size)
         executor.run(list(tokens[:, :-1].split(1)), list(tokens[:, 1:].split(1)), [torch.arange(SEQ)] * m)
-        norm = clip_grad_norm_([q.grad for q in stage.parameters()], CLIP, groups=(dist.group.WORLD,))
+        norm = clip_grads_by_global_norm_([q.grad for q in stage.parameters()], CLIP,
+                                            groups=(dist.group.WORLD,))
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from common.clip import clip_grad_norm_
+from common.clip import clip_grads_by_global_norm_
 from common.model import build_model, get_config
 from parallel3d.memory_model import stage_layers
 from parallel3d.mesh import MeshError, build_mesh, coordinates, group_ranks, mesh_shape
@@ -140,7 +140,7 @@ def clip_on_mesh(dp: int, pp: int, tp: int, max_norm: float, dp_sharded: bool, b
             p.grad = g
         norm = torch.nn.utils.clip_grad_norm_(holders, max_norm, foreach=False)
     else:
-        norm = clip_grad_norm_(local, max_norm, counted, groups=(dist.group.WORLD,))
+        norm = clip_grads_by_global_norm_(local, max_norm, counted, groups=(dist.group.WORLD,))
     expected = local_pieces(reference, dp, pp, tp, dp_sharded)
     worst = max((piece - expected[n][0]).abs().max().item() / expected[n][0].abs().max().item()
                 for n, (piece, _) in pieces.items())

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from common.cli import ConfigError
-from common.clip import clip_grad_norm_
+from common.clip import clip_grads_by_global_norm_
 from common.collectives import reduce_scatter_single
 from common.comm import CommMeter
 from common.dist import init_distributed
@@ -94,7 +94,8 @@ class ReplicasCountedInClipping(FSDPStrategy):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         model = self.model
         grads = [h.flat_param.grad for h in model._handles()]
-        return clip_grad_norm_(grads, max_norm, groups=(model.process_group, model.replicate_group))
+        return clip_grads_by_global_norm_(grads, max_norm,
+                                         groups=(model.process_group, model.replicate_group))
 
 
 def broken_hsdp(spec: TrainSpec, broken: str) -> FSDPStrategy:
