@@ -31,7 +31,7 @@ def replaced(monkeypatch: pytest.MonkeyPatch, target: str, make) -> None:
     new = make(original)
     for mod in list(sys.modules.values()):
         if getattr(mod, name, None) is original and getattr(mod, "__name__", "").split(".")[0] in (
-                "common", *figures.CHAPTER_MODULES):
+                "common", *figures.CHAPTER_MODULES):  # project modules only
             monkeypatch.setattr(mod, name, new)
 
 

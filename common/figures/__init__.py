@@ -16,7 +16,8 @@ that changes that function's result. tests/test_figures.py holds every figure to
 
 `make figures` (python -m common.figures) writes them all; `show("ring_steps", n=8)` draws one
 with other sizes in a notebook. The chapters' figures live in common/figures/<package>.py, one
-module per chapter, named like the chapter's package.
+module per chapter named like its package (more than one where a chapter's pages need it, e.g.
+planner.py), each with a list FIGURES; draw.py holds what they share.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAPTER_MODULES = ("data_parallel", "ring_allreduce", "zero", "fsdp", "tensor_parallel", "pipeline",
-                   "parallel3d")
+                   "parallel3d")  # the chapters' packages, in course order
 STAMP = "pfs-figure-data sha256 "
 
 
@@ -83,17 +84,19 @@ def data_hash(data: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def figure_modules() -> list[str]:
+    """The modules of this package that hold figures, in course order (chapter modules first)."""
+    import pkgutil
+
+    found = {m.name for m in pkgutil.iter_modules(__path__) if m.name not in ("draw", "__main__")}
+    return [*(m for m in CHAPTER_MODULES if m in found), *sorted(found - set(CHAPTER_MODULES))]
+
+
 def all_figures() -> list[Figure]:
-    """Every chapter's figures, in chapter order."""
+    """Every figure of the course, in course order."""
     out: list[Figure] = []
-    for module in CHAPTER_MODULES:
-        try:
-            mod = importlib.import_module(f"common.figures.{module}")
-        except ModuleNotFoundError as e:
-            if e.name != f"common.figures.{module}":
-                raise
-            continue
-        out.extend(mod.FIGURES)
+    for module in figure_modules():
+        out.extend(importlib.import_module(f"common.figures.{module}").FIGURES)
     names = [f.name for f in out]
     if len(set(names)) != len(names):
         raise ValueError(f"figure names must be unique: {sorted(n for n in names if names.count(n) > 1)}")
