@@ -18,7 +18,7 @@ CHAPTERS := 1 2 3 4 5 6 7
 RUNS     := $(addprefix run-,$(CHAPTERS))
 BENCHES  := $(addprefix bench-,$(CHAPTERS))
 TESTS    := $(addprefix test-,$(CHAPTERS) common checkpoints notebooks labs benches moe)
-.PHONY: lab-check setup test test-fast test-thorough $(TESTS) lint notebooks lab bench bench-5-cp bench-5-ep gpu-check clean help $(RUNS) $(BENCHES)
+.PHONY: figures lab-check setup test test-fast test-thorough $(TESTS) lint notebooks lab bench bench-5-cp bench-5-ep gpu-check clean help $(RUNS) $(BENCHES)
 
 help:
 	@echo "make test            create .venv, install, run the equivalence suite (CI runs this)"
@@ -30,6 +30,7 @@ help:
 	@echo "make test-N          one chapter's tests (N = 1..7, common, checkpoints, notebooks, labs, benches, moe)"
 	@echo "make test-thorough   the suite with many hypothesis examples"
 	@echo "make notebooks       execute every lesson.ipynb in place"
+	@echo "make figures         redraw every lesson figure from the code it pictures (common/figures)"
 	@echo "make lab-check N=1   grade your lab (0N_*/lab.py) against one device; SOLUTION=1 grades the reference"
 	@echo "make lab             install JupyterLab into the venv (the 'lab' extra) and open the lessons"
 	@echo "make lint            ruff check"
@@ -62,6 +63,9 @@ lint: $(SETUP)
 
 notebooks: $(SETUP)
 	$(PY) -m common.notebooks --in-place
+
+figures: $(SETUP)
+	$(PY) -m common.figures
 
 # The labs: you write a chapter's mechanism in 0N_*/lab.py; the grader runs its equivalence
 # properties on your file and prints a verdict per property (common/grader.py).

@@ -251,24 +251,20 @@ def fill(text: str) -> str:
 
 
 def readme_section(readme: str) -> str:
-    """The "## Copy it" section of `readme`: each of its pieces' files and lines."""
-    out = ["## Copy it", "",
-           "<!-- generated: python -m common.copy_sets --write (common/copy_sets.py); "
-           "tests/test_copy_sets.py checks it -->"]
+    """The "## Copy it" section of `readme`: each of its pieces' import, files and lines (how to
+    copy, and the test that trains a copy alone: CONTRIBUTING.md's "Copy a piece")."""
     here = (ROOT / readme).parent
+    out = ["## Copy it", "", "<!-- generated: python -m common.copy_sets --write; "
+           "tests/test_copy_sets.py checks it -->"]
     for name, piece in COPY_SETS.items():
         if piece.readme != readme:
             continue
         links = ", ".join(f"[`{copy_path(f)}`]({os.path.relpath(ROOT / f, here)})" for f in piece.files)
         total = sum(line_count(f) for f in piece.files)
-        out += ["", f"**{name}** (`{piece.use}`):",
-                fill(f"{len(piece.files)} files, {total} lines: {links}.")]
-    test = os.path.relpath(ROOT / "tests/test_copy_sets.py", here)
-    out += ["", fill("Copy each file into a folder named by its package, with an empty `__init__.py` in "
-                     "each folder, on your import path; the imports resolve as they are. That is all a "
-                     f"piece needs: [`test_copy_sets.py`]({test}) copies exactly these files into an "
-                     "empty directory and trains with them alone, in a plain loop, against one device "
-                     "(float64, 1e-10).")]
+        out += [fill(f"**{name}** (`{piece.use}`): {len(piece.files)} files, {total} lines: {links}.")]
+    guide = os.path.relpath(ROOT / "CONTRIBUTING.md", here)
+    out += [fill(f"Each file goes into a folder named by its package; how, and the test that trains "
+                 f"the copy alone: [CONTRIBUTING.md]({guide}#copy-a-piece).")]
     return "\n".join(out) + "\n"
 
 

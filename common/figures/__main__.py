@@ -1,0 +1,5 @@
+import sys
+
+from common.figures import main
+
+sys.exit(main())
