@@ -61,10 +61,12 @@ REPLAY = ("every rank's sends and receives, recorded without moving data, replay
 
 @dataclass(frozen=True)
 class Fail:
-    """What a check returns when its claim does not hold: where, and the symptom's usual cause."""
+    """What a check returns when its claim does not hold: where, the symptom's usual cause, and
+    the step it first fails at (0-based; None: before any step, or not about steps)."""
 
     detail: str
     hint: str = ""
+    step: int | None = None
 
 
 @dataclass
@@ -85,9 +87,11 @@ Check = Callable[[list[Run]], "Fail | str"]
 @dataclass(frozen=True)
 class Property:
     """`run(lab, **config)` runs on every rank of a job of `config["world"]` ranks, once per
-    config; then each check, in order, gets every Run and returns a Fail or its deciding figure
-    (a str); the first Fail decides. A check's docstring's first line says what it grades (the
-    READMEs' "what is graded" blocks are made of them: common/lab_docs.py).
+    config; then every check gets every Run and returns a Fail or its deciding figure (a str).
+    The Fail that comes first in time decides (the earliest step; at one step, the check listed
+    first): a wrong update at step 1 explains wrong gradients at step 2. A check's docstring's
+    first line says what it grades (the READMEs' "what is graded" blocks are made of them:
+    common/lab_docs.py).
 
     `plan`: `run` runs under record_p2p_plan (no data moves) and the property passes when what
     every rank posted replays to the end under NCCL's rules; list it before the real runs. There
@@ -234,24 +238,28 @@ def grade_property(module: str, prop: Property, path: str, pools: Pools | None =
                        checks=["replay"])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the one-device references are tiny: more threads only contend with the ranks
-    figures, ran = [], []
+    figures, ran, fails = [], [], []
     try:
-        for check in prop.checks:
+        for index, check in enumerate(prop.checks):  # every check runs, whatever the others say
             ran.append(check_name(check))
             try:
                 outcome = check(runs)
             except Exception as error:  # a verdict, not a traceback
                 frame = traceback.extract_tb(error.__traceback__)[-1]
-                return verdict("fail", f"the grader could not read the results: {type(error).__name__}: "
-                               f"{error} ({frame.name}, {Path(frame.filename).name}:{frame.lineno})",
+                outcome = Fail(f"the grader could not read the results: {type(error).__name__}: {error} "
+                               f"({frame.name}, {Path(frame.filename).name}:{frame.lineno})",
                                "some rank returned something of another kind than the others (a rank that "
                                "skipped a part, a wrong type or shape); if your code looks right, report it: "
-                               "the grader should have said what differs", check=ran[-1], checks=ran)
+                               "the grader should have said what differs")
             if isinstance(outcome, Fail):
-                return verdict("fail", outcome.detail, outcome.hint, check=ran[-1], checks=ran)
-            figures.append(outcome)
+                fails.append((-1 if outcome.step is None else outcome.step, index, outcome))
+            else:
+                figures.append(outcome)
     finally:
         torch.set_num_threads(threads)
+    if fails:  # the first to go wrong in time explains the others: a step's gradients, then its update
+        _, index, first = min(fails, key=lambda f: f[:2])
+        return verdict("fail", first.detail, first.hint, check=ran[index], checks=ran)
     return verdict("pass", "; ".join(f for f in figures if f), checks=ran)
 
 

@@ -71,6 +71,14 @@ def group_of(sizes: Sequence[int], rank: int) -> tuple[int, int, int]:
     raise ValueError(f"rank {rank} is beyond groups of {list(sizes)}")
 
 
+def members(config: dict) -> list[list[int]]:
+    """The global ranks of each group of a configuration (`groups`: sizes; default the world)."""
+    sizes, out = config.get("groups") or [config["world"]], []
+    for size in sizes:
+        out.append(list(range(sum(map(len, out)), sum(map(len, out)) + size)))
+    return out
+
+
 def split(sizes: Sequence[int] | None = None) -> Group:
     """The world cut into consecutive groups of `sizes` (None: the world itself); every rank
     makes every group, in the same order, and gets its own."""
