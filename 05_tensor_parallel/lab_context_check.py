@@ -21,7 +21,8 @@ from common.grader import Fail, Property
 from common.lab_rank import at
 from common.lab_tools import group_of, rand, split, where
 from common.p2p_plan import P2PRecorder
-from tensor_parallel.lab_check_extra import CASES, _merge_case, check_merge
+from tensor_parallel import lab_check_extra as extra
+from tensor_parallel.lab_check_extra import CASES, _merge_case
 
 TITLE = "context parallelism: ring attention on zig-zag blocks, merged online"
 B, H, C, D = 1, 2, 2, 4  # C tokens per chunk, 2·cp chunks
@@ -102,6 +103,12 @@ def check_layout(runs) -> Fail | str:
                         "causal attention: key chunks before the query chunk are seen whole, the query's own "
                         "chunk causally (its diagonal), later chunks not at all (never computed)")
     return "the zig-zag pair for cp = 1, 2, 4, and every block's mode"
+
+
+def check_merge(runs) -> Fail | str:
+    """merge of two partial attentions (out, lse) equals attention over both key sets, and its
+    gradients too: ordinary scores, scores in the thousands, a query that sees no key of one set."""
+    return extra.check_merge(runs)
 
 
 def _causal(cp: int) -> tuple[torch.Tensor, torch.Tensor]:
