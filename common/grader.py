@@ -7,8 +7,9 @@
 
 A lab's check module (`lab_check.py`, `lab_<name>_check.py`) lists its PROPERTIES. A property
 runs a function on every rank of a gloo job (forked, ~0.1 s) with the student's module loaded
-from its file, once per configuration (world sizes, groups, sizes), then runs its checks, in
-order, on what every rank of every configuration brought back, in the grader's process:
+from its file, once per configuration (world sizes, groups, sizes; after a configuration that
+some check fails on, the rest are not run), then runs its checks on what every rank of every
+configuration brought back, in the grader's process:
 
     ✓ name                                   each check's deciding figure
     ✗ name                                   where it differs (step, world, rank, tensor, by how much)
@@ -230,6 +231,8 @@ def grade_property(module: str, prop: Property, path: str, pools: Pools | None =
             runs.append(Run(dict(config), results))
             if prop.plan and (deadlock := replay(results, world)) is not None:
                 return verdict(*deadlock, check="replay")
+            if not prop.plan and config is not prop.configs[-1] and _fails(prop, runs[-1]):
+                break  # the configurations after a failing one are not run: the checks below say why
     finally:
         if own:
             pools.close()
@@ -261,6 +264,22 @@ def grade_property(module: str, prop: Property, path: str, pools: Pools | None =
         _, index, first = min(fails, key=lambda f: f[:2])
         return verdict("fail", first.detail, first.hint, check=ran[index], checks=ran)
     return verdict("pass", "; ".join(f for f in figures if f), checks=ran)
+
+
+def _fails(prop: Property, run: Run) -> bool:
+    """Whether some check fails on this one configuration alone (an exception counts)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for check in prop.checks:
+            try:
+                if isinstance(check([run]), Fail):
+                    return True
+            except Exception:  # reported by the checks on every run
+                return True
+        return False
+    finally:
+        torch.set_num_threads(threads)
 
 
 def grade_module(module: str, path: str | Path, only: str | Sequence[str] | None = None,
