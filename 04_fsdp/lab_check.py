@@ -4,8 +4,8 @@ In the order of a unit's life: what each rank keeps (its 1/N of the flat, padded
 when full holds memory (what FSDP is for: whole only inside the unit's forward and backward); a
 float64 LLaMA whose embedding, blocks, norm and head are ShardedUnits, trained on 2 and 3 ranks
 and on a world of 3 cut into groups of 2 and 1 (your `group=`) against one device
-(common/reference.py: every rank's shards of every gradient each step, the parameters after each
-step, at 1e-10); the collectives each rank posts in a step.
+(common/reference.py: every rank's shards of every gradient each step, at 1e-10); the collectives
+each rank posts in a step.
 """
 
 from __future__ import annotations
@@ -19,48 +19,12 @@ from common.lab_rank import at
 from common.lab_tools import collectives, local_rows, members, one_device, split
 from common.model import RMSNorm, build_model, get_config, loss_fn, rope_cos_sin
 from common.reference import make_optimizer
+from fsdp.lab_hints import ERROR_HINTS as ERROR_HINTS  # the grader reads a lab's error hints here
+from fsdp.lab_hints import LIFE, PAD_HINT, UNITS, flat, guard, layout, shard_error, unshard
 
 TITLE = "one FSDP unit: sharded at rest, gathered to compute, gradients reduce-scattered"
 CFG = get_config("tiny", n_layers=2)
-UNITS = ("tok_embeddings", "layers.0", "layers.1", "norm", "output")  # forward order
 BATCH, SEQ, LR = 6, 8, 1e-2
-FREED = "storage of size 0"  # torch's words for computing with a freed tensor
-PAD_HINT = ("right where N divides the unit's size P, wrong where it does not: pad the flat with zeros "
-            "to N·S, S = ⌈P/N⌉, so that every rank keeps S elements; cut the views from full[:P]")
-ERROR_HINTS = [
-    (("must match the existing size",), "a buffer shorter than what is copied into it: is the padded flat "
-                                        "N·S ≥ P? S = ⌈P/N⌉ (pad with zeros), not ⌊P/N⌋"),
-    (("gather) was about",), "allocate full's storage (untyped_storage().resize_(bytes)) before gathering"),
-    (("backward was about to compute with",),
-     "backward computed with freed parameters: gather again in the pre-backward hook (a hook registered on "
-     "the forward's output)"),
-    (("forward was about to compute with",),
-     "the forward computed with freed parameters: gather before self.module(...), free after it"),
-]
-
-
-def _flat(module: nn.Module, world: int) -> torch.Tensor:
-    """module's parameters flattened in module.parameters() order, zero-padded to N·⌈P/N⌉."""
-    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
-    return torch.cat([flat, flat.new_zeros(-len(flat) % world)])
-
-
-def _guard(unit: nn.Module, name: str) -> None:
-    """Raise, instead of crashing, when the wrapped module is about to compute with freed full
-    parameters (an elementwise kernel reading freed memory may segfault rather than raise)."""
-    def check(phase: str) -> None:
-        full = getattr(unit, "full", None)
-        if isinstance(full, torch.Tensor) and full.untyped_storage().size() == 0:
-            raise RuntimeError(f"{name}'s {phase} was about to compute with full's {FREED}")
-
-    def before_backward(module, inputs, out):  # the unit's hooks are on the view returned: they
-        if isinstance(out, torch.Tensor) and out.requires_grad:  # run before the hook on `out`
-            out.register_hook(lambda grad: check("backward"))
-            out = out.view_as(out)
-        return out
-
-    unit.module.register_forward_pre_hook(lambda *_: check("forward"))
-    unit.module.register_forward_hook(before_backward)
 
 
 # --- 1. the shard ------------------------------------------------------------------------------
@@ -90,10 +54,10 @@ def check_shards(runs) -> Fail | str:
     failures, cases = [], []
     for run in runs:
         for case, module in _shard_cases().items():
-            flat, p = _flat(module, run.world), sum(q.numel() for q in module.parameters())
+            padded, p = flat(module, run.world), sum(q.numel() for q in module.parameters())
             cases.append((run.world, p))
             for rank, theirs in enumerate(run.ranks):
-                if (error := _shard_error(theirs[case], flat, p, rank, run.world)) is not None:
+                if (error := shard_error(theirs[case], padded, p, rank, run.world)) is not None:
                     where = f"world {run.world}, rank {rank}, {case}"
                     failures.append((run.world, p, f"{where}: {error[0]}", error[1]))
                     break
@@ -104,43 +68,12 @@ def check_shards(runs) -> Fail | str:
     return Fail(detail, PAD_HINT if pattern else hint)
 
 
-def _shard_error(got: dict, flat: torch.Tensor, p: int, rank: int, world: int) -> tuple[str, str] | None:
-    s, shard = len(flat) // world, got["shard"]
-    if got["parameters"] != ["shard"]:
-        return (f"the unit's parameters are {got['parameters'][:3]}, not ['shard']", "self.shard = "
-                "nn.Parameter(...), and delete the module's own (del m._parameters[name]): nothing else")
-    if shard.shape != (s,):
-        hint = PAD_HINT if shard.numel() in (p // world, p - (world - 1) * s) else "a 1-D shard, ⌈P/N⌉ long"
-        return f"shard of shape {list(shard.shape)}, expected [{s}] = [⌈P/N⌉] (P = {p:,})", hint
-    if torch.equal(shard, flat[rank * s : (rank + 1) * s]):
-        return None
-    for other in range(world):
-        if torch.equal(shard, flat[other * s : (other + 1) * s]):
-            return (f"holds rank {other}'s slice flat[{other * s}:{(other + 1) * s}], not rank {rank}'s",
-                    "rank r keeps flat[r·S : (r+1)·S]: the offset is rank · S")
-    wrong = int((shard != flat[rank * s : (rank + 1) * s]).sum())
-    return (f"{wrong} of its {s} values differ from flat[{rank * s}:{(rank + 1) * s}] (P = {p:,})",
-            "flatten the parameters in module.parameters() order, concatenate, pad with zeros to N·S")
-
-
 # --- 2. gathered only while the unit computes ------------------------------------------------
-
-LIFE = {  # moment: (gathered?, hint when it is not so)
-    "after construction": (False, "free full at the end of __init__: between steps a rank keeps its shard"),
-    "inside forward": (True, "forward gathers first: allocate full's storage, all-gather every shard into "
-                             "it, then point the module's weights at views of full"),
-    "after forward": (False, "free full once self.module(...) has returned: autograd keeps the views, and "
-                             "backward gathers into the same storage again"),
-    "inside backward": (True, "gather again in the pre-backward hook (a hook on the forward's output): the "
-                              "forward freed the storage that backward's saved views point at"),
-    "after backward": (False, "free full again once its gradient is reduce-scattered (post-backward hook)"),
-}
-
 
 def life(lab, world: int) -> dict:
     """One forward and backward of one unit (a tiny block): when does full hold memory?"""
     block = build_model(CFG, dtype=torch.float64).layers[0]
-    want, seen = _flat(block, 1), {}
+    want, seen = flat(block, 1), {}
     unit = lab.ShardedUnit(block)
 
     def look(moment: str) -> None:
@@ -151,7 +84,7 @@ def life(lab, world: int) -> dict:
 
     look("after construction")
     block.register_forward_pre_hook(lambda *_: look("inside forward"))
-    _guard(unit, "the block")
+    guard(unit, "the block")
     block.feed_forward.w1.register_forward_hook(  # its backward needs the weights gathered
         lambda m, i, out: [out.register_hook(lambda grad: look("inside backward")), None][1])
     x = torch.randn(2, SEQ, CFG.dim, dtype=torch.float64, generator=torch.Generator().manual_seed(0),
@@ -191,7 +124,7 @@ def train(lab, world: int, steps: int = 1, optimizer: str = "sgd", groups: list[
     for name, unit in units.items():
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, unit)
-        _guard(unit, name)
+        guard(unit, name)
     opt = make_optimizer(model.parameters(), optimizer, LR)
     out = {"grads": [], "events": []}
 
@@ -213,29 +146,6 @@ def train(lab, world: int, steps: int = 1, optimizer: str = "sgd", groups: list[
     return out
 
 
-def _layout() -> dict[str, list[tuple[str, torch.Size]]]:
-    """Each unit's original parameters (full names, shapes) in flat order."""
-    model = build_model(CFG, dtype=torch.float64, device="meta")
-    return {u: [(f"{u}.{n}", p.shape) for n, p in model.get_submodule(u).named_parameters()] for u in UNITS}
-
-
-def _unshard(pieces_by_rank: list[dict], world: int) -> tuple[dict[str, torch.Tensor], dict, str]:
-    """The ranks' shards of each unit concatenated and cut into the original tensors; also
-    (where each tensor starts in its unit's flat, S), to name the rank whose shard is wrong."""
-    tensors, starts = {}, {}
-    for unit, params in _layout().items():
-        pieces = [p[unit] for p in pieces_by_rank]
-        if True in (missing := [p is None for p in pieces]):
-            return {}, {}, f"rank {missing.index(True)}: the shard.grad of {unit} is None after backward"
-        s, flat, offset = pieces[0].numel(), torch.cat(pieces), 0
-        if {p.shape for p in pieces} != {(s,)} or s * world < sum(shape.numel() for _, shape in params):
-            return {}, {}, f"{unit}: the ranks' shards have shapes {[list(p.shape) for p in pieces]}"
-        for name, shape in params:
-            tensors[name], starts[name] = flat[offset : offset + shape.numel()].view(shape), (offset, s)
-            offset += shape.numel()
-    return tensors, starts, ""
-
-
 def _compare(runs) -> Fail | None:
     """Each group's gradient shards joined, each step, against one device's; the first to differ
     (the world sizes where it does say whether padding is the cause)."""
@@ -245,7 +155,7 @@ def _compare(runs) -> Fail | None:
         for ranks in members(run.config):
             n, found = len(ranks), None
             for k in range(steps):
-                got, starts, problem = _unshard([run.ranks[q]["grads"][k] for q in ranks], n)
+                got, starts, problem = unshard([run.ranks[q]["grads"][k] for q in ranks], n)
                 where = f"step {k + 1}, world {run.world}" + (f" (ranks {ranks})" if n < run.world else "")
                 if problem:
                     found = Fail(f"{where}, {problem}", "the post-backward hook reduce-scatters full.grad "
@@ -264,7 +174,7 @@ def _compare(runs) -> Fail | None:
             first = first or found
     if first is None:
         return None
-    sizes = [sum(shape.numel() for _, shape in params) for params in _layout().values()]
+    sizes = [sum(shape.numel() for _, shape in params) for params in layout().values()]
     divides = {w: all(p % w == 0 for p in sizes) for w in failing + passing}
     pattern = passing and not any(divides[w] for w in failing) and all(divides[w] for w in passing)
     return Fail(first.detail, PAD_HINT if pattern else first.hint, first.step)
@@ -288,7 +198,7 @@ def check_collectives(runs) -> Fail | str:
     backward, one SUM reduce-scatter per unit in backward, nothing else."""
     n = len(UNITS)
     for run in runs:
-        sizes = [sum(s.numel() for _, s in ps) for ps in _layout().values()]
+        sizes = [sum(s.numel() for _, s in ps) for ps in layout().values()]
         padded = sorted(p + (-p % run.world) for p in sizes)
         for rank, out in enumerate(run.ranks):
             for step, (forward, backward) in enumerate(out["events"]):

@@ -24,52 +24,42 @@ from common.diagnosis import explain, first_difference
 from common.grader import Fail, Property
 from common.lab_rank import at
 from common.lab_tools import local_rows, one_device, rand, split
-from common.model import LlamaConfig, build_model, feed_forward, get_config, loss_fn
-from common.moe import permute, route
+from common.model import build_model, loss_fn
+from common.moe import permute
+from tensor_parallel.lab_expert_hints import (
+    BATCH,
+    EPS,
+    LAYER,
+    LR,
+    MODEL,
+    SEQ,
+    WORLD,
+    E,
+    T,
+    ep_group,
+    full_layer,
+    members_of,
+    one_device_layer,
+    sorted_rows,
+    tokens,
+)
 
 TITLE = "expert parallelism: the count exchange, dispatch and combine by all-to-all, the gradients"
-WORLD, EPS, E, T = 4, (2, 4), 8, 6
-LAYER = LlamaConfig(dim=8, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=8, n_experts=E, top_k=2,
-                    n_shared_experts=1, moe_hidden_dim=6, aux_loss_coef=0.0)
-MODEL = get_config("tiny-moe", n_layers=2, first_dense_layers=0, capacity_factor=1.25)
-BATCH, SEQ, LR, DEAD = 4, 8, 1e-2, 4  # the last 4 experts never chosen: ranks that hold only them get no row
-
-
-def _layer():
-    """The full layer, seeded, with a skewed router: x is shifted to +3 and the last DEAD router
-    rows set to -2, so those experts' logits are ≈ -6·dim and no token picks them."""
-    gen = torch.Generator().manual_seed(5)
-    layer = feed_forward(LAYER, 0).double()
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.5)
-        layer.router.weight[-DEAD:] = -2.0
-    return layer
-
-
-def _x(rank: int) -> torch.Tensor:
-    return rand("ep x", 1, T, LAYER.dim, rank=rank) + 3.0
-
-
-def _ep_group(ep: int):
-    return split([ep] * (WORLD // ep))
-
-
 # --- on every rank -------------------------------------------------------------------------------
 
 def counts(lab, world: int) -> dict:
     """Seeded counts per rank, exchanged in each EP group."""
     out = {}
     for ep in EPS:
-        g = _ep_group(ep)
+        g = ep_group(ep)
         mine = torch.randint(0, 9, (E,), generator=torch.Generator().manual_seed(dist.get_rank() + 10 * ep))
         at(phase=f"exchange_counts at EP {ep}")
         out[ep] = [list(map(int, row)) for row in lab.exchange_counts(mine, g.group)]
     return out
 
 
-def _parallel_layer(lab, ep: int):
-    layer, g = _layer(), _ep_group(ep)
+def _parallel(lab, ep: int):
+    layer, g = full_layer(), ep_group(ep)
     at(phase=f"expert_parallel at EP {ep}")
     lab.expert_parallel(layer, g.group, lab.ExpertDispatcher)
     return layer, g
@@ -81,8 +71,8 @@ def plan(lab, world: int) -> dict:
     plan that breaks a rule is named even when the code then fails on the rows it got."""
     out = {}
     for ep in EPS:
-        layer, _ = _parallel_layer(lab, ep)
-        x, error = _x(dist.get_rank()).requires_grad_(), None
+        layer, _ = _parallel(lab, ep)
+        x, error = tokens(dist.get_rank()).requires_grad_(), None
         with A2ARecorder(post_rows=False) as recorder:
             try:
                 at(phase=f"forward at EP {ep} (rows recorded, not moved)")
@@ -103,7 +93,7 @@ def layer_run(lab, world: int) -> dict:
     gradients, and the bytes this rank's forward put on the wire."""
     out, rank = {}, dist.get_rank()
     for ep in EPS:
-        layer, _ = _parallel_layer(lab, ep)
+        layer, _ = _parallel(lab, ep)
         seen, dispatch = {}, layer.dispatcher.dispatch
 
         def recorded(x, plan, dispatch=dispatch, seen=seen):
@@ -112,7 +102,7 @@ def layer_run(lab, world: int) -> dict:
             return rows, local
 
         layer.dispatcher.dispatch = recorded
-        x = _x(rank).requires_grad_()
+        x = tokens(rank).requires_grad_()
         with CommMeter() as meter:
             at(phase=f"forward at EP {ep}")
             y = layer(x)
@@ -140,37 +130,13 @@ def train(lab, world: int) -> dict:
     return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
 
 
-# --- the one device, in the grader ------------------------------------------------------------
-
-def _one_device(members: list[int]):
-    """The full layer on each member's tokens: (outputs, input gradients, the parameters'
-    gradients summed over the members, each member's own parameter gradients, its plan)."""
-    layer, ys, dxs, own, plans = _layer(), [], [], [], []
-    for q in members:
-        x = _x(q).requires_grad_()
-        y = layer(x)
-        (y * rand("ep g", *y.shape, rank=q)).sum().backward()
-        ys.append(y.detach())
-        dxs.append(x.grad)
-        own.append({n: p.grad.clone() for n, p in layer.named_parameters()})
-        layer.zero_grad()
-        plans.append(route(layer.router(_x(q).reshape(T, -1)).unsqueeze(0), LAYER.top_k, LAYER.gate, None)[0])
-    total = {n: sum(o[n] for o in own) for n in own[0]}
-    return ys, dxs, total, own, plans
-
-
-def _members(ep: int, rank: int) -> list[int]:
-    first = rank // ep * ep
-    return list(range(first, first + ep))
-
-
 def check_counts(runs) -> Fail | str:
     """exchange_counts: rank p of each EP group receives, from every rank s of its group, s's
     counts for p's local experts, received[s][e] = counts_s[p·E/ep + e]."""
     for ep in EPS:
         local = E // ep
         for rank, out in enumerate(runs[0].ranks):
-            members, p = _members(ep, rank), rank % ep
+            members, p = members_of(ep, rank), rank % ep
             want = [torch.randint(0, 9, (E,), generator=torch.Generator().manual_seed(s + 10 * ep))
                     [p * local : (p + 1) * local].tolist() for s in members]
             if out[ep] != want:
@@ -205,20 +171,15 @@ def check_plan(runs) -> Fail | str:
     return "every rank posts the same all-to-alls, paired, at EP 2 and 4"
 
 
-def _sorted_rows(rows: torch.Tensor) -> torch.Tensor:
-    key = rows @ torch.linspace(1, 2, rows.shape[1], dtype=rows.dtype)
-    return rows[torch.argsort(key)]
-
-
 def check_dispatch(runs) -> Fail | str:
     """dispatch hands each local expert exactly the rows every rank of the group routed to it (in
     any order within an expert), expert by expert, and the local counts."""
     for ep in EPS:
         local = E // ep
         for rank, out in enumerate(runs[0].ranks):
-            members, p = _members(ep, rank), rank % ep
-            plans = _one_device(members)[4]
-            rows = [permute(_x(q).reshape(T, -1), plan) for q, plan in zip(members, plans, strict=True)]
+            members, p = members_of(ep, rank), rank % ep
+            plans = one_device_layer(members)[4]
+            rows = [permute(tokens(q).reshape(T, -1), plan) for q, plan in zip(members, plans, strict=True)]
             per_expert = [torch.cat([r[sum(c[: p * local + e]) : sum(c[: p * local + e + 1])]
                                      for r, c in rows]) for e in range(local)]
             want = [len(t) for t in per_expert]
@@ -228,7 +189,7 @@ def check_dispatch(runs) -> Fail | str:
                             "local expert e gets Σ_s received[s][e] rows: from every source")
             got = out[ep]["rows"].split(want)
             for e, (g, w) in enumerate(zip(got, per_expert, strict=True)):
-                if not torch.equal(_sorted_rows(g), _sorted_rows(w)):
+                if not torch.equal(sorted_rows(g), sorted_rows(w)):
                     return Fail(f"{where}: local expert {e} got rows that are not those routed to it",
                                 "the rows arrive source-major: regroup them expert-major (every source's "
                                 "rows for local expert 0, then for 1, …), as the local counts say")
@@ -243,8 +204,8 @@ def check_layer(runs) -> Fail | str:
     for ep in EPS:
         local = E // ep
         for rank, out in enumerate(runs[0].ranks):
-            members, p = _members(ep, rank), rank % ep
-            ys, dxs, total, own, _ = _one_device(members)
+            members, p = members_of(ep, rank), rank % ep
+            ys, dxs, total, own, _ = one_device_layer(members)
             where = f"EP {ep}, rank {p} of ranks {members}"
             for key, want in (("y", ys[p]), ("dx", dxs[p])):
                 if finding := first_difference({key: out[ep][key]}, {key: want}):
@@ -265,8 +226,8 @@ def check_bytes(runs) -> Fail | str:
     for ep in EPS:
         local = E // ep
         for rank, out in enumerate(runs[0].ranks):
-            members, p = _members(ep, rank), rank % ep
-            plans = _one_device(members)[4]
+            members, p = members_of(ep, rank), rank % ep
+            plans = one_device_layer(members)[4]
             counts = [plan.counts.tolist() for plan in plans]
             away = sum(counts[p][: p * local]) + sum(counts[p][(p + 1) * local :])
             back = sum(sum(c[p * local : (p + 1) * local]) for s, c in enumerate(counts) if s != p)

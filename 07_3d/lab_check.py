@@ -28,17 +28,25 @@ from common.lab_tools import one_device
 from common.model import build_model, initializer
 from common.p2p_plan import P2PRecorder
 from fsdp import FSDP
-from parallel3d.accounting import describe_rank
-from parallel3d.comm_formulas import comm_bytes_per_step, cp_bytes_per_step, ring, tp_bytes_per_microbatch
-from parallel3d.lab_hints import CFG, CP_HINT, check_rank, group_size, norm_hint, worst_piece
+from parallel3d.lab_hints import (
+    CFG,
+    CP_HINT,
+    SEQ,
+    bytes_by_group,
+    check_rank,
+    group_size,
+    held,
+    norm_hint,
+    worst_piece,
+)
 from parallel3d.mesh import build_mesh
 from parallel3d.parallelize import Parallel3DConfig, parallelize_3d, rank_inputs
 from parallel3d.shards import shard_map
 from pipeline import PipelineExecutor, make_schedule
-from tensor_parallel import local_piece, vocab_parallel_loss
+from tensor_parallel import vocab_parallel_loss
 
 TITLE = "3D: the recipe (split → TP → CP → FSDP) and clipping by the global norm"
-SEQ, LR, CLIPS, MAX_NORM = 8, 1e-2, 1e-2, 1e3  # the gradient norm at init is ~1: 1e-2 clips, 1e3 does not
+LR, CLIPS, MAX_NORM = 1e-2, 1e-2, 1e3  # the gradient norm at init is ~1: 1e-2 clips, 1e3 does not
 CPU = torch.device("cpu")
 ERROR_HINTS = [
     (("object has no attribute 'weight'",),
@@ -93,24 +101,8 @@ def holdings(lab, world: int, meshes: list[dict]) -> list:
         meta = build_model(CFG, dtype=torch.float64, device="meta")
         ref_chunks, ref_specs = parallelize_3d(meta, mesh, config, CPU)  # 07's recipe: the expected layout
         init = initializer(CFG, seed)
-        out.append({"coords": coords, "got": _held(chunks, ref_specs, init), "want": _held(ref_chunks)})
+        out.append({"coords": coords, "got": held(chunks, ref_specs, init), "want": held(ref_chunks)})
     return out
-
-
-def _held(chunks: list[FSDP], ref_specs: dict | None = None, init=None) -> dict:
-    """Per original parameter its TP-local shape, how many elements this rank holds and (given the
-    recipe's specs and the seeded init) their largest difference from the init's TP piece."""
-    params, units = {}, [u for c in chunks for u in c.shard_layout()]
-    for u in units:
-        for p in u.params:
-            diff = 0.0
-            if init is not None and p.numel and p.name in ref_specs:
-                want = local_piece(init(p.name), ref_specs[p.name]).reshape(-1)[p.offset : p.offset + p.numel]
-                got = u.flat_param.detach()[p.shard_offset : p.shard_offset + p.numel]
-                diff = float((got - want).abs().max()) if want.shape == got.shape else math.inf
-            shape, numel, worst = params.get(p.name, (tuple(p.shape), 0, 0.0))
-            params[p.name] = (shape, numel + p.numel, max(worst, diff))
-    return {"params": params, "units": len(units), "groups": sorted({u.shard_world for u in units})}
 
 
 def check_holdings(runs) -> Fail | str:
@@ -174,33 +166,8 @@ def train_one(lab, dp: int = 1, pp: int = 1, tp: int = 1, cp: int = 1, v: int = 
         optimizer.zero_grad(set_to_none=True)
         out["params"].append(_pieces(shards, lambda u: u.flat_param))
         if step == 0:
-            out["bytes"] = _bytes(meter, sends, mesh, schedule, chunks, clip is not None)
+            out["bytes"] = bytes_by_group(meter, sends, mesh, schedule, chunks, clip is not None)
     return out
-
-
-def _bytes(meter: CommMeter, sends: P2PRecorder, mesh, schedule, chunks, clip: bool) -> dict:
-    """{kind: (measured, formula)} for TP, CP, PP, FSDP and the clipping all-reduce."""
-    def p2p(group) -> float:
-        ranks = tuple(torch.distributed.get_process_group_ranks(group))
-        return sum(op.nbytes for g in sends.groups.get(ranks, []) for op in g if op.kind == "send")
-
-    def over(group) -> float:
-        return meter.bytes_over(group) if torch.distributed.get_world_size(group) > 1 else 0.0
-
-    r = describe_rank(CFG, mesh, schedule, chunks, Parallel3DConfig(), 1, SEQ, torch.float64, clip, "sgd")
-    recompute = r.parallel.activation_checkpointing
-    stages = [schedule.stage(mesh.pp_rank, c) for c in range(len(chunks))]
-    tp = schedule.m * sum(tp_bytes_per_microbatch(CFG, mesh.tp, 1, SEQ // mesh.cp, 8, False, recompute,
-                                                  blocks, stage == 0, stage == schedule.n_stages - 1)
-                          for stage, blocks in zip(stages, r.chunk_blocks, strict=True))
-    pp = math.prod(r.activation_shape) * 8 * sum(schedule.send(mesh.pp_rank, a) is not None
-                                                 for a in schedule.actions[mesh.pp_rank])
-    world = ring(mesh.size, 2) * 8 if clip else 0.0
-    cp = cp_bytes_per_step(r, 1)
-    return {"TP": (over(mesh.tp_group), tp), "CP ring": (p2p(mesh.cp_group) if mesh.cp > 1 else 0.0, cp),
-            "PP": (p2p(mesh.pp_group) if mesh.pp > 1 else 0.0, pp),
-            "FSDP (dp·cp)": (over(mesh.dp_cp_group), comm_bytes_per_step(r, 1) - tp - cp - pp - world),
-            "clipping (world)": (meter.bytes_over(None), world)}
 
 
 def _want(mesh: dict):

@@ -4,20 +4,32 @@ lab_check.py says what runs).
 `check_rank` compares what one rank holds after your `parallelize` with 07's own recipe on the
 same mesh (stages, TP shapes, the FSDP group, 1/(dp·cp) of each unit, the seeded values);
 `worst_piece` finds, over every piece every rank holds (copies included), the reference tensor
-missed by most; `norm_hint` reads what an excess of ‖g‖² is made of (the TP copies counted again).
+missed by most; `norm_hint` reads what an excess of ‖g‖² is made of (the TP copies counted again);
+`held` is what a rank's chunks hold, `bytes_by_group` what it sent per group beside 07's formula.
 """
 
 from __future__ import annotations
 
-import torch
+import math
 
+import torch
+import torch.distributed as dist
+
+from common.comm import CommMeter
 from common.diagnosis import TOLERANCE, Finding, near
 from common.model import LlamaConfig, build_model
+from common.p2p_plan import P2PRecorder
 from common.reference import SCALE_FLOOR
+from fsdp import FSDP
+from parallel3d.accounting import describe_rank
 from parallel3d.checkpoint.reshard import extract
+from parallel3d.comm_formulas import comm_bytes_per_step, cp_bytes_per_step, ring, tp_bytes_per_microbatch
+from parallel3d.parallelize import Parallel3DConfig
+from tensor_parallel import local_piece
 
 # n_kv_heads 1 < tp 2: wk and wv are TP copies (each TP rank holds the one K/V head), like the norms.
 CFG = LlamaConfig(dim=16, n_layers=4, n_heads=4, n_kv_heads=1, vocab_size=32, multiple_of=8)
+SEQ = 8
 FULL_SHAPES = {n: tuple(p.shape) for n, p in build_model(CFG, device="meta").named_parameters()}
 UNITS_HINT = ("one FSDP unit per TransformerBlock (auto_wrap_policy=ModuleWrapPolicy({TransformerBlock})), "
               "the rest of each chunk its root unit, over mesh.dp_cp_group")
@@ -121,3 +133,44 @@ def norm_hint(got_sq: float, want_sq: float, grads: dict[str, torch.Tensor], ran
     if ratio > 1 and near(got_sq / want_sq, ratio, 1e-6):
         return f"‖g‖² {ratio}× too large: each piece added on {ratio} ranks, or the sum all-reduced twice"
     return "the norm counts every element of the full model's gradient exactly once, over the whole world"
+
+
+def held(chunks: list[FSDP], ref_specs: dict | None = None, init=None) -> dict:
+    """Per original parameter its TP-local shape, how many elements this rank holds and (given the
+    recipe's specs and the seeded init) their largest difference from the init's TP piece."""
+    params, units = {}, [u for c in chunks for u in c.shard_layout()]
+    for u in units:
+        for p in u.params:
+            diff = 0.0
+            if init is not None and p.numel and p.name in ref_specs:
+                want = local_piece(init(p.name), ref_specs[p.name]).reshape(-1)[p.offset : p.offset + p.numel]
+                got = u.flat_param.detach()[p.shard_offset : p.shard_offset + p.numel]
+                diff = float((got - want).abs().max()) if want.shape == got.shape else math.inf
+            shape, numel, worst = params.get(p.name, (tuple(p.shape), 0, 0.0))
+            params[p.name] = (shape, numel + p.numel, max(worst, diff))
+    return {"params": params, "units": len(units), "groups": sorted({u.shard_world for u in units})}
+
+
+def bytes_by_group(meter: CommMeter, sends: P2PRecorder, mesh, schedule, chunks, clip: bool) -> dict:
+    """{kind: (measured, formula)} for TP, CP, PP, FSDP and the clipping all-reduce."""
+    def p2p(group) -> float:
+        ranks = tuple(dist.get_process_group_ranks(group))
+        return sum(op.nbytes for g in sends.groups.get(ranks, []) for op in g if op.kind == "send")
+
+    def over(group) -> float:
+        return meter.bytes_over(group) if dist.get_world_size(group) > 1 else 0.0
+
+    r = describe_rank(CFG, mesh, schedule, chunks, Parallel3DConfig(), 1, SEQ, torch.float64, clip, "sgd")
+    recompute = r.parallel.activation_checkpointing
+    stages = [schedule.stage(mesh.pp_rank, c) for c in range(len(chunks))]
+    tp = schedule.m * sum(tp_bytes_per_microbatch(CFG, mesh.tp, 1, SEQ // mesh.cp, 8, False, recompute,
+                                                  blocks, stage == 0, stage == schedule.n_stages - 1)
+                          for stage, blocks in zip(stages, r.chunk_blocks, strict=True))
+    pp = math.prod(r.activation_shape) * 8 * sum(schedule.send(mesh.pp_rank, a) is not None
+                                                 for a in schedule.actions[mesh.pp_rank])
+    world = ring(mesh.size, 2) * 8 if clip else 0.0
+    cp = cp_bytes_per_step(r, 1)
+    return {"TP": (over(mesh.tp_group), tp), "CP ring": (p2p(mesh.cp_group) if mesh.cp > 1 else 0.0, cp),
+            "PP": (p2p(mesh.pp_group) if mesh.pp > 1 else 0.0, pp),
+            "FSDP (dp·cp)": (over(mesh.dp_cp_group), comm_bytes_per_step(r, 1) - tp - cp - pp - world),
+            "clipping (world)": (meter.bytes_over(None), world)}
