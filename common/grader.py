@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from common.lab_failures import crash, replay
+from common.lab_failures import crash, replay, unformed
 from common.lab_rank import _on_rank
 from common.rank_pool import RankError, RankPool, RankTimeoutError
 
@@ -219,15 +219,19 @@ def grade_property(module: str, prop: Property, path: str, pools: Pools | None =
     try:
         for config in prop.configs:
             world = config["world"]
-            with tempfile.TemporaryDirectory(prefix="pfs-lab-") as trace_dir:
-                try:
-                    results = pools(world).run(_on_rank, module, prop.name, path, config, trace_dir,
-                                               timeout=prop.timeout_s)
-                except (RankTimeoutError, RankError) as error:
-                    pools.drop(world)
-                    label = f"world {world}" + (f" cut into groups {config['groups']}"
-                                                if config.get("groups") else "")
-                    return verdict(*crash(error, trace_dir, world, label, extra_hints))
+            for attempt in (1, 2):  # a gloo group that failed to form (a loaded machine) is retried once
+                with tempfile.TemporaryDirectory(prefix="pfs-lab-") as trace_dir:
+                    try:
+                        results = pools(world).run(_on_rank, module, prop.name, path, config, trace_dir,
+                                                   timeout=prop.timeout_s)
+                        break
+                    except (RankTimeoutError, RankError) as error:
+                        pools.drop(world)
+                        if attempt == 1 and unformed(trace_dir, world):
+                            continue
+                        label = f"world {world}" + (f" cut into groups {config['groups']}"
+                                                    if config.get("groups") else "")
+                        return verdict(*crash(error, trace_dir, world, label, extra_hints))
             runs.append(Run(dict(config), results))
             if prop.plan and (deadlock := replay(results, world)) is not None:
                 return verdict(*deadlock, check="replay")

@@ -70,6 +70,14 @@ def _raised(trace_dir: str, world: int) -> dict[int, dict]:
     return {rank: json.loads(path.read_text()) for rank, path in paths.items() if path.exists()}
 
 
+def unformed(trace_dir: str, world: int) -> bool:
+    """Whether the job failed while gloo was still forming a process group (every error a failed
+    rendezvous, before any collective): the machine's doing, not the lab's."""
+    errors = _raised(trace_dir, world)
+    return bool(errors) and all("connectFullMesh" in e["message"] for e in errors.values()) and \
+        not any(_traces(trace_dir, world))
+
+
 def _raised_verdict(errors: dict[int, dict], trace_dir: str, world: int, label: str, extra_hints) -> tuple:
     """(status, detail, hint, notes) for the ranks that raised: the first cause, not a gloo abort."""
     rank = min(errors, key=lambda r: (any(w in errors[r]["message"] for w in GLOO_ABORT), r))
@@ -111,7 +119,9 @@ def crash(error: Exception, trace_dir: str, world: int, label: str, extra_hints)
     if dead is None:
         return "hang", f"no answer within the deadline at {label}", MISMATCH, \
             _hang_notes(trace_dir, world)
-    first = min(set(range(world)) - set(errors), default=int(dead[1]))  # the others saw it stop
+    if not (silent := set(range(world)) - set(errors)):  # every rank stopped on a gloo abort: none died
+        return _raised_verdict(errors, trace_dir, world, label, extra_hints)
+    first = min(silent)  # no error of its own: it stopped first, the others saw it stop
     p2p = any(line.split("(")[0] in P2P for lines in traces for line in lines)
     hint = DIED + ("; with send/recv: gloo aborts a process whose receive gets a message of another "
                    "size (sender and receiver must agree on every message's size)" if p2p else "")

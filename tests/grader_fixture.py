@@ -6,6 +6,8 @@ earlier one explains)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 
@@ -54,6 +56,16 @@ def blocking(lab, world: int) -> int:
     return 0
 
 
+def once(lab, world: int) -> int:
+    """Fails as a gloo group that could not form the first time each rank runs it (a loaded
+    machine), then passes."""
+    marker = Path(lab.MARKER + str(dist.get_rank()))
+    if not marker.exists():
+        marker.touch()
+        raise RuntimeError("Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer")
+    return 0
+
+
 def check_true(runs) -> Fail | str:
     """Passes."""
     return "ok"
@@ -66,6 +78,7 @@ PROPERTIES = [
     Property("a hang in a blocking collective", [{"world": 2}], blocking, [check_true], timeout_s=3),
     Property("explained by the value above", [{"world": 1, "scale": 2.0}], value, [check_value],
              after=("value on",)),
+    Property("a group that fails to form, once", [{"world": 2}], once, [check_true]),
     Property("an optional part", [{"world": 1}], lambda lab, world: lab.optional(), [check_true],
              optional=True),
 ]

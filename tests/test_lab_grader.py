@@ -86,6 +86,12 @@ def test_a_hang_is_reported_at_the_collective_posted_not_the_one_before(tmp_path
     assert "rank 0: last posted broadcast(float32[1], 0) (2 calls in all)" in text, text
 
 
+def test_a_group_that_fails_to_form_is_retried_once(tmp_path):
+    marker = f"\nMARKER = {str(tmp_path / 'formed')!r}\n\n\ndef value"
+    verdicts, text = grade_fixture(tmp_path, "fails to form", {"\ndef value": marker})
+    assert verdicts[0].passed, text
+
+
 def test_the_trace_line_is_written_before_the_call_runs(tmp_path):
     path = tmp_path / "rank0"
     with trace_ops(str(path)), pytest.raises(ValueError):  # no process group here: the call raises
