@@ -50,6 +50,11 @@ BUGS = {
     "column layer split over the world, not its group": Bug(
         [(COLUMN_SPLIT, COLUMN_SPLIT.replace("(group)", "()"))],
         "ColumnParallelLinear", "fail", "not over the 2 of the TP group", "check_weights"),
+    "a weight of the wrong shape on one rank (no KeyError: 'output' in the grader)": Bug(
+        [("rows = slice(r * linear.out_features // t, (r + 1) * linear.out_features // t)",
+          "rows = slice(r * linear.out_features // t, (r + 1) * linear.out_features // t - (r == 1))")],
+        "ColumnParallelLinear", "fail", "TP 2 (ranks 0–1 of 4), rank 1, split output: weight shape [5, 8]",
+        "check_weights"),
     "row weight sliced along the wrong dimension": Bug(
         [("linear.weight.detach()[:, cols]", "linear.weight.detach()[cols]")],
         "RowParallelLinear", "fail", "sliced along the wrong dimension", "check_weights"),
