@@ -119,8 +119,10 @@ def explain(finding: Finding, world: int, what: str = "gradients") -> str:
     if not math.isfinite(finding.rel):
         return f"nan or inf in the {what}: an overflow, or a buffer read before it was written"
     if finding.zero:
-        return (f"zero {what}: this tensor's hook never fired, or its bucket was never reduced "
-                "(does every parameter get a hook, and does the last, partial bucket launch too?)")
+        return (f"zero {what}: nothing reached this tensor: its hook never fired, or fired before the "
+                "gradient was there (Tensor.register_hook runs before p.grad is accumulated: use "
+                "register_post_accumulate_grad_hook), or its bucket was never reduced (does every "
+                "parameter get a hook, and does the last, partial bucket launch too?)")
     if world > 1 and near(finding.scale, world):
         return (f"{what} {world}× too large at world {world}: a missing 1/n. Sum with ReduceOp.SUM, "
                 "then divide by the world size (never ReduceOp.AVG: gloo on older torch ignores it)")

@@ -26,6 +26,7 @@ LAUNCH = "        if self.ready[i] == len(self.buckets[i]):\n"
 WAIT = "            self.works[i].wait()\n"
 DIVIDE = "            self.buffers[i].div_(self.world)\n"
 HOOK = "                p.register_post_accumulate_grad_hook(self._on_grad_ready)\n"
+COPY = "        self.buffers[i][offset : offset + p.numel()].copy_(p.grad.reshape(-1))\n"
 EXIT = "                __import__('os')._exit(1)\n"  # the process ends without an exception
 BUGS = {
     "missing 1/n": Bug([(DIVIDE, "")], "one backward", "fail", "a missing 1/n", "check_grads"),
@@ -46,6 +47,10 @@ BUGS = {
     "a hook on the wrong event": Bug(
         [(HOOK, "                p.register_hook(lambda grad, p=p: self._on_grad_ready(p))\n")],
         "one backward", "raised", "a hook on the wrong event"),
+    "a hook on the wrong event, its None gradient skipped": Bug(
+        [(HOOK, "                p.register_hook(lambda grad, p=p: self._on_grad_ready(p))\n"),
+         (COPY, "        if p.grad is not None:\n    " + COPY)],
+        "one backward", "fail", "fired before the gradient was there", "check_grads"),
     "a synchronizing all-reduce when no_sync ends": Bug(
         [("            self.sync = True\n",
           "            self.sync = True\n            dist.all_reduce(torch.zeros(1), group=self.group)\n")],
