@@ -182,8 +182,9 @@ def check_clipped(runs) -> Fail | str:
 
 
 def check_memory(runs) -> Fail | str:
-    """What the stage is for: no full gradient kept after reduce_scatter_gradients, and the master's
-    storage and each inner optimizer state tensor hold s = ⌈Ψ/N⌉ elements."""
+    """What the stage is for, ZeRO-1's memory: the master's storage and each inner optimizer state
+    tensor hold s = ⌈Ψ/N⌉ elements, and no full gradient is kept after reduce_scatter_gradients
+    (backward leaves it whole until then: the peak is DDP's; ZeRO-2 reduce-scatters during backward)."""
     for run in runs:
         s = shard_size(run.world)
         for rank, out in enumerate(run.ranks):
@@ -240,6 +241,6 @@ PROPERTIES = [
              [{"world": 2, "clip": 0.5, **CLIP}, {"world": 3, "clip": 10.0, **CLIP},
               {"world": 3, "groups": [1, 2], "clip": 0.5, **CLIP}], train,
              [check_master, check_grads, check_norm, check_clipped, check_params]),
-    Property("memory 1/N, a reduce-scatter + an all-gather (3 ranks)", [{"world": 3, "steps": 2}], train,
-             [check_memory, check_collectives], after=("AdamW",)),
+    Property("ZeRO-1's memory 1/N, a reduce-scatter + an all-gather (3 ranks)", [{"world": 3, "steps": 2}],
+             train, [check_memory, check_collectives], after=("AdamW",)),
 ]
