@@ -4,11 +4,11 @@ properties (common/grader.py runs them).
 On the ranks: seeded tensors every rank and the grader draw alike (`rand`), the world cut into
 process groups other than the world (`split`: a lab's `group=` argument must be used), every
 rank's agreement (`agree`: all go on, or none), this rank's rows of a global batch, and the
-collectives a piece posts (`Collectives`, the outermost call only).
+collectives a piece posts (`collectives`, the outermost call only).
 
 In the grader: the one-device training a lab is compared with (`one_device`, cached: the same
-run serves every property and every planted bug of a test session), the first step at which
-some rank's tensors differ from it (`first_wrong`), and where a rank sits (`where`).
+run serves every property and every planted bug of a test session), the groups of a
+configuration (`group_of`, `members`) and where a rank sits (`where`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from common.data import SyntheticTokens, local_micro_batches, split_inputs_targets
-from common.diagnosis import Finding, first_difference
-from common.model import LlamaConfig, build_model
+from common.model import LlamaConfig
 from common.reference import make_reference
 
 # --- on the ranks ------------------------------------------------------------------------------
@@ -194,21 +193,6 @@ def one_device(cfg: LlamaConfig, steps: int, batch: int, seq: int, optimizer: st
         out.norms.append(float(torch.stack([g.norm() for g in grads.values()]).norm()))
         out.params.append({n: t.clone() for n, t in trainer.parameters().items()})
     return out
-
-
-def initial(cfg: LlamaConfig) -> dict[str, torch.Tensor]:
-    return {n: p.detach() for n, p in build_model(cfg, seed=0, dtype=torch.float64).named_parameters()}
-
-
-def first_wrong(per_rank: list[list[dict]], want: list[dict]) -> tuple[int, int, Finding, list[int]] | None:
-    """per_rank[r][k]: rank r's tensors at step k. The first step at which some rank differs from
-    `want[k]`, as (step, the first such rank, its Finding, every step some rank got wrong)."""
-    failing = [k for k in range(len(want)) if any(first_difference(got[k], want[k]) for got in per_rank)]
-    if not failing:
-        return None
-    k = failing[0]
-    rank = next(r for r, got in enumerate(per_rank) if first_difference(got[k], want[k]))
-    return k, rank, first_difference(per_rank[rank][k], want[k]), failing
 
 
 def where(config: dict, rank: int) -> str:
