@@ -343,7 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--file", default=None, help="grade this file instead of the chapter's lab.py")
     parser.add_argument("--only", default=None, help="only the properties whose name contains this")
     args = parser.parse_args(argv)
-    verdicts = grade(args.chapter, args.file, args.solution, args.only, lab=args.lab)
+    try:
+        verdicts = grade(args.chapter, args.file, args.solution, args.only, lab=args.lab)
+    except ValueError as error:  # a lab the chapter has not
+        print(error, file=sys.stderr)
+        return 2
     return 0 if verdicts and not any(v.failed for v in verdicts) else 1
 
 
