@@ -209,11 +209,11 @@ def memory_draw(data: dict):
 
 # --- the communication plan ---------------------------------------------------------------------
 
-def p2p_data(name: str = "1f1b", p: int = 3, m: int = 4, v: int = 1) -> dict:
+def p2p_data(schedule: str = "1f1b", p: int = 3, m: int = 4, v: int = 1) -> dict:
     """Each rank's actions (simulated times) and the groups it posts between them
     (`p2p.exchanges`: one batch_isend_irecv each), every message linked to its match, and the
     replay of `p2p.p2p_plan` under NCCL's rules."""
-    schedule = make_schedule(name, p, m, v)
+    name, schedule = schedule, make_schedule(schedule, p, m, v)
     intervals = simulate(schedule)
     by_action = {(i.rank, i.action): i for i in intervals}
     ranks = []
@@ -355,7 +355,7 @@ FIGURES = [
                     Source("pipeline.schedules:peak_in_flight", lambda n: n + 1)),
            alt="activations held on rank 0 over a step and the peak on every rank, per schedule"),
     Figure(name="pipeline_p2p", path="06_pipeline/figures/pipeline_p2p.svg",
-           data=p2p_data, draw=p2p_draw, sizes={"name": "1f1b", "p": 3, "m": 4, "v": 1},
+           data=p2p_data, draw=p2p_draw, sizes={"schedule": "1f1b", "p": 3, "m": 4, "v": 1},
            sources=(Source("pipeline.p2p:exchanges", sends_one_group_late),
                     Source("common.p2p_plan:find_deadlock", lambda d: "stuck" if d is None else None),
                     Source("pipeline.simulator:simulate", rank0_late)),
