@@ -199,10 +199,10 @@ def test_deepseek_v3s_own_layout_is_priced_above_tp8_by_its_all_to_alls(capsys):
 
 
 def test_readme_table_is_what_the_planner_prints_now():
-    """07's README shows the published-runs table as the planner prints it, not as typed."""
+    """The planner page shows the published-runs table as the planner prints it, not as typed."""
     text = README.read_text(encoding="utf-8")
     assert readme_table(text) == published_table(), (
-        "07_3d/README.md's published-runs table is stale: run "
+        "07_3d/planner/README.md's published-runs table is stale: run "
         "`python -m parallel3d.planner --published --write-readme` and update the prose around it")
     assert published_table() in published_report()
 

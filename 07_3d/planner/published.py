@@ -142,7 +142,7 @@ def published_report() -> str:
     return "\n".join(lines)
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parent / "README.md"  # the planner page
 MARKER = "<!-- generated: python -m parallel3d.planner --published --write-readme; checked by tests -->"
 
 
