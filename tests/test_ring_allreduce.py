@@ -39,7 +39,14 @@ from ring_allreduce import bench as ring_bench
 from ring_allreduce import ring as ring_module
 from ring_allreduce import train as ring_train
 from ring_allreduce.agreement import CHECK_BYTES
-from ring_allreduce.cost_model import AlphaBeta, fit, naive_terms, ring_terms
+from ring_allreduce.cost_model import (
+    AlphaBeta,
+    crossover_bytes,
+    fit,
+    half_bandwidth_bytes,
+    naive_terms,
+    ring_terms,
+)
 from ring_allreduce.naive import naive_all_reduce, naive_bytes_sent
 from ring_allreduce.plan import ring_plan
 from ring_allreduce.ring import (
@@ -496,6 +503,29 @@ def test_cost_model_fit_recovers_known_alpha_and_beta():
     # ring.py's messages: 2(n-1) steps of ⌈(S/n)/segment⌉ segments each
     assert ring_terms(2**24, 4, segment_bytes=2**20) == (2 * 3 * 4, 1.5 * 2**24)
     assert ring_terms(4096, 4, segment_bytes=2**20) == ring_terms(4096, 4) == (6, 1.5 * 4096)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8, 64])
+def test_cost_model_naive_root_waits_two_latencies_and_wins_only_below_the_crossover(n):
+    """The lesson explains the naive root's win on small tensors by its messages travelling at
+    once (n-1 senders, then n-1 replies: two latencies), against the ring's 2(n-1) dependent
+    steps; the model must say the same, and the crossover it prints must be where they meet."""
+    model = AlphaBeta(alpha=10e-6, beta=1 / 45e9)
+    assert naive_terms(2**20, n) == (2, 2 * (n - 1) * 2**20)
+    assert naive_terms(2**20, 1) == ring_terms(2**20, 1) == (0, 0)
+    tiny = 4.0
+    assert model.time("ring", tiny, n) / model.time("naive", tiny, n) == pytest.approx(n - 1, rel=1e-3)
+    star = crossover_bytes(model.alpha, model.beta, n)
+    assert star / n <= 2**21  # one 2 MiB segment per step: the closed form's premise
+    assert model.time("ring", star, n, 2**21) == pytest.approx(model.time("naive", star, n), rel=1e-12)
+    if n > 2:
+        assert model.time("naive", star / 2, n) < model.time("ring", star / 2, n, 2**21)
+    else:
+        assert star == 0
+    assert model.time("ring", 2 * star + 1, n, 2**21) < model.time("naive", 2 * star + 1, n)
+    half = half_bandwidth_bytes(model.alpha, model.beta, n)
+    latency, nbytes = ring_terms(half, n)
+    assert latency * model.alpha == pytest.approx(nbytes * model.beta, rel=1e-12)
 
 
 # ---------------------------------------------------------------- DDP on the ring trains exactly
