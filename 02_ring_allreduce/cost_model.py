@@ -19,7 +19,10 @@ out. Small tensors are latency-bound, and there the naive root wins for n > 2: t
 
     S* = n(n-2)/(n-1)² · alpha/beta      (`crossover_bytes`, for S/n within one segment)
 
-and above it the ring wins by a factor that tends to n (n = 2: the ring is never slower). ring.py
+and above it the ring wins by a factor that tends to n (n = 2: the ring is never slower). The root
+still handles its 2(n-1) messages one after another, a per-message cost (LogP's overhead o) that
+two terms cannot hold apart from alpha: where it is large (processes sharing a few CPU cores),
+bench.py's fit per n folds it into alpha, which then grows with n for the naive root. ring.py
 pipelines its segments, so part of its 2(n-1)·k latencies overlap (the critical path holds about
 2(n-1) + k - 1 of them); the model charges every message, an upper bound for large S. The ring's
 two terms are equal at S½ = n·alpha/beta (`half_bandwidth_bytes`, one segment per step), where
@@ -53,9 +56,6 @@ def naive_terms(size_bytes: float, n: int) -> tuple[float, float]:
     return (2.0 if n > 1 else 0.0), 2.0 * (n - 1) * size_bytes
 
 
-TERMS = {"ring": ring_terms, "naive": naive_terms}
-
-
 def crossover_bytes(alpha: float, beta: float, n: int) -> float:
     """S* = n(n-2)/(n-1)² · alpha/beta: below it the naive root is faster than the ring (its two
     latencies against the ring's 2(n-1)), above it the ring is (its 2(n-1)/n · S against the
@@ -82,8 +82,10 @@ class AlphaBeta:
     beta: float  # seconds per byte
 
     def time(self, algorithm: str, size_bytes: float, n: int, segment_bytes: float | None = None) -> float:
+        if algorithm not in ("ring", "naive"):
+            raise ValueError(f"algorithm {algorithm!r}: the model knows 'ring' and 'naive'")
         latencies, nbytes = (ring_terms(size_bytes, n, segment_bytes) if algorithm == "ring"
-                             else TERMS[algorithm](size_bytes, n))
+                             else naive_terms(size_bytes, n))
         return latencies * self.alpha + nbytes * self.beta
 
     @property

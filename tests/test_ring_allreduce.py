@@ -474,12 +474,27 @@ def test_simulator_ends_with_the_sum_everywhere_after_2_n_minus_1_steps(n, lengt
         assert snapshots[-1].elements_sent[rank] == ring_traffic(length, 1, rank, n)[0]
 
 
-def test_simulator_folds_max_and_the_readme_shows_its_diagram():
+def test_simulator_folds_max_and_the_lesson_shows_its_diagram():
     tensors = [torch.tensor([3.0, -1.0, 7.0]), torch.tensor([5.0, 2.0, -4.0])]
     final = list(simulate(tensors, op="max"))[-1]
     assert torch.equal(final.result(0), torch.tensor([5.0, 2.0, 7.0]))
-    readme = (REPO / "02_ring_allreduce" / "README.md").read_text()
-    assert diagram(4) in readme, "regenerate the README's diagram: print(simulator.diagram(4))"
+    page = (REPO / "02_ring_allreduce" / "step_by_step.md").read_text()
+    assert diagram(4) in page, "regenerate step_by_step.md's diagram: print(simulator.diagram(4))"
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_ring_steps_figure_and_simulator_agree_on_every_copy(n):
+    """The lesson's figure replays plan.ring_exchanges; the simulator plays reduce_scatter_chunks
+    and all_gather_chunks on tensors: after every step, each rank's copy of each chunk sums the
+    same number of ranks in both."""
+    from common.figures.ring_allreduce import ring_steps_data
+
+    figure = ring_steps_data(n)["steps"]
+    snapshots = list(simulate([torch.full((n,), float(10**r), dtype=torch.float64) for r in range(n)]))
+    assert len(figure) == len(snapshots) == 2 * (n - 1) + 1
+    for step, snap in zip(figure, snapshots, strict=True):
+        held = [[len(snap.holds[r][c]) for c in range(n)] for r in range(n)]
+        assert step["held"] == held, f"{step['label']}: the figure says {step['held']}, the simulator {held}"
 
 
 def test_cost_model_fit_recovers_known_alpha_and_beta():
