@@ -133,7 +133,7 @@ def ring_bytes_draw(data: dict):
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xticks(ns, [str(n) for n in ns])
-    ticks = [2**k for k in range(0, 8) if 2**k <= 2 * max(r["naive_root_link"] for r in rows)]
+    ticks = [2**k for k in range(0, 12) if 2**k <= 2 * max(r["naive_root_link"] for r in rows)]
     ax.set_yticks(ticks, [f"{t} S" for t in ticks])
     ax.minorticks_off()
     ax.set_xlabel("ranks n")
@@ -189,10 +189,12 @@ def alpha_beta_draw(data: dict):
               label="naive root")
     star, half = data["crossover"][str(n)], data["half"]
     left.axvline(star, color="#333333", ls="--", lw=0.8)
-    left.text(star * 1.15, 2e4, f"S* = {_size_label(star)}:\nnaive faster below", fontsize=7.5, va="top")
+    at = left.get_xaxis_transform()  # x in bytes, y in axes fraction
+    left.text(star * 1.15, 0.72, f"S* = {_size_label(star)}:\nnaive faster below", fontsize=7.5, va="top",
+              transform=at)
     left.axvline(half, color="#0072B2", ls=":", lw=0.8)
-    left.text(half * 1.15, 30, f"S½ = {_size_label(half)}:\nthe ring's two terms\nare equal", fontsize=7.5,
-              color="#0072B2", va="bottom")
+    left.text(half * 1.15, 0.04, f"S½ = {_size_label(half)}:\nthe ring's two terms\nare equal", fontsize=7.5,
+              color="#0072B2", va="bottom", transform=at)
     left.set(xscale="log", yscale="log", xlabel="all-reduce size S", ylabel="time (µs)")
     left.set_title(f"n = {n}: T = latencies·α + bytes·β", loc="left")
     left.legend(fontsize=7.5, loc="upper left")
