@@ -782,3 +782,13 @@ def test_launch_without_torchrun_is_a_clear_error(script):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "torchrun --standalone --nproc-per-node N" in proc.stderr
+
+
+def test_the_lessons_alpha_beta_numbers_are_the_cost_models():
+    """02's README quotes S* and S½ for InfiniBand (α = 10 µs, 45 GB/s, n = 8), as the alpha_beta
+    figure draws them: both must be what cost_model computes."""
+    readme = (REPO / "02_ring_allreduce" / "README.md").read_text(encoding="utf-8")
+    alpha, beta = 10e-6, 1 / 45e9
+    star = crossover_bytes(alpha, beta, 8) / 2**10
+    half = half_bandwidth_bytes(alpha, beta, 8) / 2**20
+    assert f"S* ≈ {star:.0f} KiB, S½ ≈ {half:.1f} MiB at n = 8" in readme
