@@ -24,6 +24,14 @@ GB, MiB = 1e9, 2**20
 # dp_step: n replicas, each its rows of the global batch, one all-reduce, the same update
 
 
+@functools.cache
+def _model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+           **overrides) -> torch.nn.Module:
+    """A seeded model of the named config, built once per process (figures only read it; its
+    gradients are zeroed before each use)."""
+    return build_model(get_config(name, **overrides), seed=0, dtype=dtype, device=device)
+
+
 def _gradient(model: torch.nn.Module, micro_batches: list[torch.Tensor]) -> torch.Tensor:
     """The flat gradient of the mean loss over `micro_batches` (each micro-batch's loss / k)."""
     model.zero_grad()
@@ -38,7 +46,7 @@ def dp_step_data(n: int = 4, global_batch: int = 8, micro_batch: int = 1, seq_le
     each rank's rows from `local_micro_batches` (what every train.py uses), its gradient, their
     mean, and whether that mean is one device's gradient on the whole batch (to 1e-12)."""
     cfg = get_config("tiny", n_layers=2)
-    model = build_model(cfg, seed=0, dtype=torch.float64)
+    model = _model("tiny", torch.float64, n_layers=2)
     tokens = SyntheticTokens(cfg.vocab_size, seq_len, seed=0).global_batch(0, global_batch)
     index = torch.arange(global_batch)[:, None]
     rows, grads = [], []
@@ -111,7 +119,7 @@ def memory_data(model: str = "llama2-7b", activations_gb: float = 30.0,
     counted once (weights, gradients, m, v at 2 B: 8 B/param), and mixed-precision AdamW (bf16
     weights and gradients, fp32 master, fp32 m and v from `optimizer_state_bytes`: 16 B/param)."""
     def account(name: str) -> dict:
-        m = build_model(get_config(name), device="meta")
+        m = _model(name, device="meta")
         P, T = count_parameters(m), len(list(m.parameters()))
         return {
             "P": P, "tensors": T,
@@ -202,8 +210,7 @@ def backward_order(model_name: str = "small") -> tuple[list[str], dict[str, int]
 
 def buckets_data(model: str = "small", cap_mb: float = 4.0) -> dict:
     """`assign_buckets` of `model`'s float32 parameters at `cap_mb`, and the backward order."""
-    meta = build_model(get_config(model), device="meta")
-    named = list(meta.named_parameters())
+    named = list(_model(model, device="meta").named_parameters())
     buckets = assign_buckets(named, cap_mb * MiB)
     order, _ = backward_order(model)
     return {"model": model, "cap_mb": cap_mb, "tensors": len(named),
@@ -291,8 +298,7 @@ def calls_data(model: str = "small", caps_mb: tuple[float, ...] = (25.0, 4.0), r
     """The naive version (one call per tensor, after backward) and DDP at each cap, on `model`'s
     recorded backward order; rho = all-reduce time of all the gradients / backward time, latency =
     each call's fixed cost, both in units of one backward."""
-    meta = build_model(get_config(model), device="meta")
-    named = list(meta.named_parameters())
+    named = list(_model(model, device="meta").named_parameters())
     ready, _ = backward_order(model)
     per_tensor = [[(name, p.numel() * p.element_size())] for name, p in named]  # naive.py's loop order
     rows = [{"label": f"naive: {len(named)} calls after backward",
@@ -339,8 +345,7 @@ def overlap_data(model: str = "small", cap_mb: float = 4.0, n: int = 8, tokens: 
     """DDP at `cap_mb` on `model`'s buckets, with rho = the overlap condition's ratio
     `overlap_tokens(...)` / tokens for three settings of the lesson: NVLink with bf16 gradients,
     and 400 Gb/s InfiniBand with bf16 gradients and with fp32 buckets (H100 backward at `flops`)."""
-    meta = build_model(get_config(model), device="meta")
-    named = list(meta.named_parameters())
+    named = list(_model(model, device="meta").named_parameters())
     ready, _ = backward_order(model)
     buckets = [[(name, p.numel() * p.element_size()) for name, p in b]
                for b in assign_buckets(named, cap_mb * MiB)]
