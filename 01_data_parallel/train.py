@@ -113,6 +113,15 @@ class DataParallelStrategy(Strategy):
         return comm, {"params": P * self.param_itemsize, "grads": P * self.reduce_itemsize, "optimizer": opt}
 
 
+def overlap_tokens(n: int, grad_bytes: int, flops: float, busbw: float) -> float:
+    """Tokens per rank above which the gradient all-reduce fits under backward (the Ultra-Scale
+    Playbook's overlap condition). Backward costs ≈ 4·P·t FLOPs at `flops` FLOP/s; the all-reduce
+    moves 2(n-1)/n·P·b bytes at `busbw` bytes/s; P cancels:
+
+        2(n-1)/n · P·b / B  ≤  4·P·t / F      ⇔      t ≥ (n-1)/n · b·F / (2B)"""
+    return (n - 1) / n * grad_bytes * flops / (2 * busbw)
+
+
 def build(args: argparse.Namespace, ctx: DistContext, layout: BatchLayout) -> Strategy:
     return DataParallelStrategy(args, ctx, STRATEGIES[args.strategy])
 

@@ -269,3 +269,18 @@ def test_launch_without_torchrun_is_a_clear_error():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "torchrun --standalone --nproc-per-node N" in proc.stderr
+
+
+def test_the_lessons_overlap_numbers_are_overlap_tokens():
+    """01's README and overlap.md quote the tokens per rank the overlap condition needs, and ρ at
+    16,384 tokens: each must be what `overlap_tokens` computes (H100 backward at half of 989
+    TFLOP/s, 8 ranks; NVLink 360 GB/s, InfiniBand 45 GB/s; bf16 gradients and fp32 buckets)."""
+    lesson = (REPO / "01_data_parallel" / "README.md").read_text(encoding="utf-8")
+    page = (REPO / "01_data_parallel" / "overlap.md").read_text(encoding="utf-8")
+    flops, tokens = 0.5 * 989e12, 4 * 4096
+    for busbw, grad_bytes in ((360e9, 2), (360e9, 4), (45e9, 2), (45e9, 4)):
+        need = dp_train.overlap_tokens(8, grad_bytes, flops, busbw)
+        assert f"| {need:,.0f} | {need / tokens:.2f} |" in page, (
+            f"overlap.md's row for {busbw:.0e} B/s, b = {grad_bytes}")
+        if busbw == 45e9:
+            assert f"{need:,.0f}" in lesson
