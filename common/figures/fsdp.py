@@ -378,6 +378,11 @@ FIGURES = [
            sources=(Source("fsdp.wrap:reshards_after_forward", perturb=kept_after_forward),),
            alt="one FSDP step on tiny with 4 blocks: each unit's all-gather, compute, free and "
                "reduce-scatter in the order rank 0 issued them, and the gathered bytes"),
+    Figure(name="fsdp_backward_post", path="04_fsdp/figures/fsdp_backward_post.svg", data=unit_life_data,
+           draw=unit_life_draw,
+           sizes={"n_layers": 4, "world": 2, "forward_prefetch": False, "backward_prefetch": "BACKWARD_POST"},
+           sources=(Source("fsdp.wrap:reshards_after_forward", perturb=kept_after_forward),),
+           alt="one FSDP step with torch's forward default and BACKWARD_POST: one block whole at a time"),
     Figure(name="fsdp_units", path="04_fsdp/figures/fsdp_units.svg", data=units_data, draw=units_draw,
            sources=(Source("fsdp.wrap:apply_auto_wrap", perturb=lambda made: made + 1),
                     Source("fsdp.wrap:transformer_auto_wrap_policy", perturb=never_descend),
