@@ -88,8 +88,10 @@ def forked(world: int, fn, *args, timeout_s: float = 60.0):
 
 # --- one unit's life, recorded ----------------------------------------------------------------------
 
-def record_step(model, sharding: str, forward_prefetch: bool, backward_prefetch: str | None) -> dict:
-    """On every rank: wrap `model` in our FSDP (a unit per TransformerBlock), run two training steps
+def record_step(model, sharding: str, forward_prefetch: bool, backward_prefetch: str | None,
+                wrap: str = "blocks") -> dict:
+    """On every rank: wrap `model` in our FSDP (a unit per TransformerBlock, or with `wrap` "none"
+    the whole model one unit), run two training steps
     (the first records the order that prefetching follows), and return the second's events in the
     order they were issued: the memory ledger's gathers and frees (`memory_trace`), each unit's
     compute (module hooks, forward and backward), each reduction started, the end of backward."""
@@ -98,7 +100,8 @@ def record_step(model, sharding: str, forward_prefetch: bool, backward_prefetch:
     from fsdp import BackwardPrefetch, FullyShardedDataParallel
     from fsdp.train import full_params_peak_formula
 
-    policy = partial(transformer_auto_wrap_policy, transformer_layer_cls={TransformerBlock})
+    policy = partial(transformer_auto_wrap_policy, transformer_layer_cls={TransformerBlock}) \
+        if wrap == "blocks" else None
     prefetch = backward_prefetch and BackwardPrefetch[backward_prefetch]
     fsdp = FullyShardedDataParallel(model, auto_wrap_policy=policy,
                                     sharding_strategy=ShardingStrategy[sharding],
@@ -146,13 +149,15 @@ def record_step(model, sharding: str, forward_prefetch: bool, backward_prefetch:
 
 
 def unit_life_data(n_layers: int = 4, world: int = 2, sharding: str = "FULL_SHARD",
-                   forward_prefetch: bool = True, backward_prefetch: str | None = "BACKWARD_PRE") -> dict:
-    """The second step of `tiny` with `n_layers` blocks under our FSDP on `world` forked gloo
+                   forward_prefetch: bool = True, backward_prefetch: str | None = "BACKWARD_PRE",
+                   model: str = "tiny", wrap: str = "blocks") -> dict:
+    """The second step of `model` with `n_layers` blocks under our FSDP on `world` forked gloo
     ranks, as rank 0 recorded it (orders and kinds of events, no timings)."""
-    model = build_model(get_config("tiny", n_layers=n_layers), 0)
-    recorded = forked(world, record_step, model, sharding, forward_prefetch, backward_prefetch)
-    return {"n_layers": n_layers, "world": world, "sharding": sharding, "forward_prefetch": forward_prefetch,
-            "backward_prefetch": backward_prefetch, **recorded}
+    module = build_model(get_config(model, n_layers=n_layers), 0)
+    recorded = forked(world, record_step, module, sharding, forward_prefetch, backward_prefetch, wrap)
+    return {"model": model, "n_layers": n_layers, "world": world, "sharding": sharding,
+            "forward_prefetch": forward_prefetch, "backward_prefetch": backward_prefetch, "wrap": wrap,
+            **recorded}
 
 
 def unit_life_draw(data: dict):
@@ -201,7 +206,7 @@ def unit_life_draw(data: dict):
     ax.text(first_backward - 0.5, len(lanes) - 0.45, "forward ←  → backward", ha="center", va="top",
             fontsize=7, color="#555555", bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
     bp = data["backward_prefetch"] or "no backward prefetch"
-    ax.set_title(f"One FSDP step of tiny ({data['n_layers']} blocks, {data['world']} ranks, "
+    ax.set_title(f"One FSDP step of {data['model']} ({data['n_layers']} blocks, {data['world']} ranks, "
                  f"{data['sharding']}, forward_prefetch={data['forward_prefetch']}, {bp}), "
                  "as rank 0 issued it\n"
                  "AG all-gather (↓: issued ahead, a prefetch) · F, B compute · RS reduce-scatter · shaded: "
