@@ -13,7 +13,8 @@ HSDP (FSDP across nodes): `--sharding-strategy HYBRID_SHARD --nodes 2` on 4 rank
 ranks {0,1} and {2,3} (two "nodes") and all-reduces each shard over {0,2} and {1,3}; without
 --nodes a node is LOCAL_WORLD_SIZE ranks (torch's default under a multi-node torchrun). The report
 splits the bytes: comm_bytes_intra / _inter beside their formulas, and comm_bytes_flat_formula,
-the same units sharded over all ranks (FULL_SHARD), whose bytes all cross the network.
+the same units sharded over all ranks (FULL_SHARD), per rank over every link (which bytes leave a
+node, per node: fsdp.formulas.network_bytes; 04_fsdp/hsdp.md).
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from fsdp import (
     unit_traffic,
 )
 from fsdp import train as fsdp_train
+from fsdp.formulas import network_bytes
 from fsdp.train import FSDPStrategy
 from tests.conftest import PROFILE
 from tests.equivalence import (
@@ -190,15 +191,51 @@ def test_hsdp_bytes_per_group_equal_the_formula_and_the_planted_order_is_caught(
 
 def test_hsdp_comm_bytes_in_closed_form():
     """4 blocks of 1,000 fp32 elements on s = 4 × r = 2: intra (s-1)/s·(2·P·b + P·b) per step,
-    inter 2(r-1)/r·P/s·b; FULL_SHARD over all 8 ranks sends 3·7/8·P·b, ~1.5·s× the inter bytes."""
+    inter 2(r-1)/r·P/s·b per rank."""
     blocks, P, b = [UnitTraffic(1000, 4000, 4, False)] * 4, 4000, 4
     split = fsdp_comm_bytes_by_group(blocks, 4, ShardingStrategy.HYBRID_SHARD, replicate_size=2)
     assert split["intra"] == pytest.approx(3 / 4 * 3 * P * b, rel=1e-15)
     assert split["inter"] == pytest.approx(2 * 1 / 2 * P / 4 * b, rel=1e-15)
     zero2 = fsdp_comm_bytes_by_group(blocks, 4, ShardingStrategy._HYBRID_SHARD_ZERO2, replicate_size=2)
     assert zero2 == {"intra": pytest.approx(3 / 4 * 2 * P * b, rel=1e-15), "inter": split["inter"]}
-    flat = fsdp_comm_bytes(blocks, 8, ShardingStrategy.FULL_SHARD)
-    assert flat / split["inter"] == pytest.approx(3 * 7 / 8 * 4, rel=1e-15)  # 10.5 = 1.5·s·(n-1)/n·r/(r-1)
+    assert fsdp_comm_bytes(blocks, 8, ShardingStrategy.FULL_SHARD) == pytest.approx(7 / 8 * 3 * P * b,
+                                                                                   rel=1e-15)
+
+
+def network_cut(s: int, r: int, micro_batches: int = 1, b_p: int = 4, b_r: int = 4) -> float:
+    """FULL_SHARD's network bytes per node over HYBRID_SHARD's: 4 blocks of 4,096 elements."""
+    blocks = [UnitTraffic(4096, 4096 * b_p, b_r, False)] * 4
+    flat, hsdp = (network_bytes(blocks, s, r, ShardingStrategy[name], micro_batches, no_sync=True)
+                  for name in ("FULL_SHARD", "HYBRID_SHARD"))
+    return (flat["network_gather"] + flat["network_reduce"]) / hsdp["network_reduce"]
+
+
+def test_hsdp_network_bytes_per_node_and_per_nic():
+    """A flat ring over n = s·r ranks with each node's GPUs adjacent: only its r hops between nodes
+    use the network, one channel per NIC, so per node FULL_SHARD sends one rank's (n-1)/n·3P·b,
+    1/s of it per NIC; HSDP sends 2(r-1)/r·P·b per node (each GPU all-reduces its P/s across the
+    r nodes). The cut is 1.5·(n-1)/n·r/(r-1): 2.8125× at s = 8, r = 2 and ≈1.5× as r grows, not
+    the 1.5·s× (12× at s = 8) once claimed; the all-gathers (2/3 of FULL_SHARD's network bytes,
+    repeated every micro-batch) are what HSDP keeps in the node."""
+    P, b = 4 * 4096, 4
+    blocks = [UnitTraffic(4096, 4096 * b, b, False)] * 4
+    flat = network_bytes(blocks, 8, 2, ShardingStrategy.FULL_SHARD)
+    assert flat["network_gather"] == pytest.approx(15 / 16 * 2 * P * b, rel=1e-15)
+    assert flat["network_reduce"] == pytest.approx(15 / 16 * P * b, rel=1e-15)
+    assert flat["network_per_nic"] == pytest.approx(15 / 16 * 3 * P * b / 8, rel=1e-15)
+    assert flat["nvlink_per_gpu"] == pytest.approx(15 / 16 * 3 * P * b * 7 / 8, rel=1e-15)
+    assert (flat["shard_ring"], flat["replicate_ring"]) == (16, 1)
+    hsdp = network_bytes(blocks, 8, 2, ShardingStrategy.HYBRID_SHARD)
+    assert hsdp["network_gather"] == 0
+    assert hsdp["network_reduce"] == pytest.approx(2 * 1 / 2 * P * b, rel=1e-15)
+    per_rank = fsdp_comm_bytes_by_group(blocks, 8, ShardingStrategy.HYBRID_SHARD, replicate_size=2)
+    assert hsdp["network_per_nic"] == pytest.approx(per_rank["inter"], rel=1e-15)
+    assert hsdp["nvlink_per_gpu"] == pytest.approx(7 / 8 * 3 * P * b, rel=1e-15)
+    assert (hsdp["shard_ring"], hsdp["replicate_ring"]) == (8, 2)
+    assert network_cut(8, 2) == pytest.approx(2.8125, rel=1e-15)  # 1.5 · 15/16 · 2
+    assert network_cut(8, 64) == pytest.approx(1.5 * 511 / 512 * 64 / 63, rel=1e-15)  # → 1.5
+    assert network_cut(8, 2, micro_batches=4) == pytest.approx(15 / 16 * (8 + 1) / 1, rel=1e-15)
+    assert network_cut(8, 2, b_p=2) == pytest.approx(15 / 16 * (4 + 4) / 4, rel=1e-15)  # bf16 gathers
 
 
 # --- train.py: flags validated before any collective; --check and the report per group ---------------
