@@ -1,6 +1,5 @@
 """Chapter 04's lesson prints the code's numbers: HSDP's network cut (fsdp.formulas.network_bytes,
-through test_fsdp_hybrid's `network_cut`); and it fits one sitting (README at most 220 lines, each
-page beside it at most 200)."""
+through test_fsdp_hybrid's `network_cut`)."""
 
 from __future__ import annotations
 
@@ -25,10 +24,3 @@ def test_hsdp_page_quotes_network_bytes():
                       ("4 micro-batches under `no_sync`, b_p = b_r", {"micro_batches": 4})):
         assert row(text, first) == [f"{network_cut(8, r, **kw):.2f}×" for r in nodes], first
 
-
-def test_lessons_fit_one_sitting():
-    """The lesson at most 220 lines, every other page at most 200 (NOTES.md is a log, not a page)."""
-    pages = {p.name: len(p.read_text().splitlines()) for p in (ROOT / CHAPTER).glob("*.md")
-             if p.name != "NOTES.md"}
-    assert pages.pop("README.md") <= 220
-    assert pages and all(n <= 200 for n in pages.values()), pages

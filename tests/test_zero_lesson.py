@@ -1,6 +1,5 @@
 """Chapter 03's lesson prints the code's numbers: the paper's per-stage table
-(zero.accounting.paper_table) and the lab model's padding (zero.flat.padded_size); and it fits one
-sitting (README at most 220 lines, each page beside it at most 200)."""
+(zero.accounting.paper_table) and the lab model's padding (zero.flat.padded_size)."""
 
 from __future__ import annotations
 
@@ -43,10 +42,3 @@ def test_zero_lab_padding_is_computed():
     text = " ".join((ROOT / "03_zero/README.md").read_text().split())
     assert f"Ψ = {psi:,}, float64; on 3 ranks s = {s:,} and {pad} elements of padding" in text, (psi, s, pad)
 
-
-def test_lessons_fit_one_sitting():
-    """The lesson at most 220 lines, every other page at most 200 (NOTES.md is a log, not a page)."""
-    pages = {p.name: len(p.read_text().splitlines()) for p in (ROOT / CHAPTER).glob("*.md")
-             if p.name != "NOTES.md"}
-    assert pages.pop("README.md") <= 220
-    assert pages and all(n <= 200 for n in pages.values()), pages
