@@ -36,7 +36,7 @@ from torch import nn
 
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import ColumnParallelLinear, RowParallelLinear, SequenceParallelRMSNorm, VocabParallelEmbedding
-from .mappings import copy_to_tp_region, gather_from_sequence_parallel_region
+from .mappings import copy_to_tp_region, gather_for_column_parallel
 from .sharding import TPShard, group_size, tp_shard_specs
 
 # --- the styles: how one module is cut ----------------------------------------------------------
@@ -207,11 +207,12 @@ def _apply(style: Style, name: str, parent: nn.Module, module: nn.Module, group,
 
 
 def _map_input(group, sequence_parallel: bool):
-    """The forward pre-hook of MappedInput: f, or SP's all-gather of the sequence."""
+    """The forward pre-hook of MappedInput: f, or SP's all-gather of the sequence (whose column
+    layers save the local s/t tokens and gather them again in backward, once for all of them)."""
 
     def hook(module: nn.Module, args: tuple) -> tuple:
         x, *rest = args
-        x = (gather_from_sequence_parallel_region(x, group) if sequence_parallel
+        x = (gather_for_column_parallel(x, group) if sequence_parallel
              else copy_to_tp_region(x, group))
         return (x, *rest)
 

@@ -11,12 +11,13 @@ article's own words are read in 01_data_parallel/README.md), (2, 2, 12) in the m
 ZeRO paper (bf16 weights and grads, fp32 master + m + v), (4, 4, 8) in plain fp32.
 
 Activations saved for backward per block are chapter 05's itemized count (tensor_parallel.formulas:
-e·(10h + 4F) + 4·a bytes per token without TP; TP splits the attention and MLP tensors, SP also
-the norms' inputs and products); full recomputation keeps only the block input h, selective (the
-core attention rerun) keeps q, k, v before the GQA repeat and drops the log-sum-exp (and eager
-attention's scores). A pipeline stage holds them for the
-micro-batches in flight (1F1B: p - i on stage i), the last stage the head's too. The 3D trainer's
-measured ledger checks these per rank (`tests/test_3d_planner.py`).
+e·(10h + 4F) + 2e + 4·a bytes per token without TP; TP splits the attention and MLP tensors, SP
+also the norms' inputs, products and outputs, which the column layers save as their local s/t
+tokens: with SP all of it is /t, this LLaMA's counterpart of Korthikanti et al.'s 34·sbh/t);
+full recomputation keeps only the block input h, selective (the core attention rerun) keeps q, k,
+v before the GQA repeat and drops the log-sum-exp (and eager attention's scores). A pipeline stage
+holds them for the micro-batches in flight (1F1B: p - i on stage i), the last stage the head's
+too. The 3D trainer's measured ledger checks these per rank (`tests/test_3d_planner.py`).
 
 Context parallelism (cp ranks share each sequence, s/cp tokens each; ring attention) divides every
 one of those terms by cp: each is linear in the tokens a rank holds (flash attention keeps no
@@ -128,7 +129,7 @@ def state_bytes(units: tuple[int, ...], dp: int, zero: int, precision: str) -> d
 # What the core attention saves beyond its output (chapter 05's names): selective recomputation
 # keeps its inputs q, k, v instead (k, v before the GQA repeat) and reruns it.
 CORE_ATTENTION_TERMS = ("q, k, v after RoPE + GQA repeat", "attention log-sum-exp")
-HEAD_TERMS = ("final norm x, x·r, r", "head input (norm output, whole sequence)",
+HEAD_TERMS = ("final norm x, x·r, r", "head input (the final norm's output)",
               "loss: softmax over the local vocab, target ids, in-range mask")
 
 
