@@ -22,6 +22,7 @@ from parallel3d.planner.report import (
     article_alternative,
     article_report,
     article_row,
+    assumptions,
     cp_verdict,
     format_plans,
     why_not,
@@ -42,7 +43,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="sequences per optimizer step (default: 4M tokens)")
     p.add_argument("--precision", choices=PRECISIONS, default="mixed",
                    help="bytes per parameter: article (2+2+4), mixed (2+2+12), fp32 (4+4+8)")
-    p.add_argument("--eager-attention", action="store_true", help="keep the s×s scores (no flash)")
+    p.add_argument("--eager-attention", action="store_true",
+                   help="keep the s×s scores (no flash attention; the default assumes it)")
+    p.add_argument("--no-sequence-parallel", action="store_true",
+                   help="TP without sequence parallelism (the default puts SP at every TP > 1)")
     p.add_argument("--headroom", type=float, default=0.9, help="usable fraction of GPU memory")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--skew", type=float, default=1.0,
@@ -82,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     hw = gpu(args.gpu, gpus_per_node=args.gpus_per_node)
     plans = plan(cfg, args.gpus, args.gpu_mem_gb, args.seq_len, batch, hw, args.precision,
-                 args.headroom, args.eager_attention, moe, args.skew)
+                 args.headroom, args.eager_attention, moe, args.skew,
+                 sequence_parallel=not args.no_sequence_parallel)
     n = moe_parameters(cfg, moe) if moe else total_parameters(cfg)
     active = f" ({moe_parameters(cfg, moe, True) / 1e9:.2f}B active)" if moe else ""
     print(f"{args.model}: {n / 1e9:.2f}B parameters{active}, "
@@ -95,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     best = recommend(plans)
     rows, advice, pp_range = article_row(n)
     print(f"\nrecommended: {best.layout.describe() if best else 'nothing fits: add GPUs'}")
+    print(f"  assumes {assumptions(not args.eager_attention, not args.no_sequence_parallel)}")
     if best:
         print(f"  {best.memory['total'] / GB:.1f} GB per GPU, step ≈ {best.step_s:.2f} s, "
               f"MFU ≈ {best.mfu:.0%}")

@@ -79,10 +79,11 @@ def price_published(run: PublishedRun, efficiency: float | None = None) -> Compa
     hw = gpu(run.gpu) if efficiency is None else gpu(run.gpu, efficiency=efficiency)
     layout = Layout(tp=run.tp, pp=run.pp, dp=run.dp, zero=run.zero, micro_batch=run.micro_batch,
                     virtual_stages=run.virtual_stages, recompute=run.recompute,
-                    sequence_parallel=run.tp > 1, cp=run.cp, ep=run.ep)
+                    sequence_parallel=run.sequence_parallel and run.tp > 1, cp=run.cp, ep=run.ep)
     if layout.gpus != run.gpus:
         raise ValueError(f"{run.name}: tp·cp·pp·dp = {layout.gpus}, not its {run.gpus} GPUs")
-    plan = price(cfg, layout, run.seq_len, run.global_batch, run.gpu_mem_gb, hw, moe=moe)
+    plan = price(cfg, layout, run.seq_len, run.global_batch, run.gpu_mem_gb, hw,
+                 eager_attention=not run.flash_attention, moe=moe)
     tokens_per_gpu = run.global_batch * run.seq_len / (plan.step_s * run.gpus)
     flops = FIGURES[run.figure][1]
     return Comparison(run, plan, tokens_per_gpu * (flops(cfg, run.seq_len) / 1e12 if flops else 1))

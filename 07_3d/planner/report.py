@@ -106,8 +106,19 @@ tp, cp, pp, dp: tensor-, context-, pipeline- and data-parallel degrees (GPUs = t
 GB: per GPU of the busiest pipeline stage (weights, grads, optimizer state, saved activations);
   GB/step: bytes each GPU sends per step along each dimension (EP: the busiest rank's
   all-to-alls); step s: the modelled step time (compute + bubble + TP + exposed CP, PP, DP + EP);
-  MFU: 6N·tokens / (step·GPUs·peak), N the active parameters of an MoE, attention's FLOPs not
-  counted (at 128K they outweigh 6N); fits: total ≤ headroom × GPU memory."""
+  MFU: model FLOPs·tokens / (step·GPUs·peak), Megatron-LM's model FLOPs: 6 × every matmul's
+  parameters (the head, not the embedding lookup; an MoE's active ones) + the attention scores
+  (12·L·h·s), recomputation not counted; fits: total ≤ headroom × GPU memory."""
+
+
+def assumptions(flash_attention: bool = True, sequence_parallel: bool = True) -> str:
+    """What the picks assume of the framework, in words (`--eager-attention` and
+    `--no-sequence-parallel` price a run without them)."""
+    flash = ("flash attention (no s×s scores kept)" if flash_attention else
+             "eager attention (the s×s scores and softmax kept for backward)")
+    sp = ("sequence parallelism at every TP > 1" if sequence_parallel else
+          "no sequence parallelism (the norm regions hold every token on each TP rank)")
+    return f"{flash}; {sp}"
 
 
 def cp_verdict(plans: list[Plan], best: Plan | None) -> str:
@@ -140,7 +151,8 @@ def article_report() -> str:
              "(fp16 weights + grads + Adam m, v; 8 × 512 tokens; attention without flash):",
              "  one GPU:        " + ", ".join(f"{k} {v / GB:.1f} GB" for k, v in one.items()),
              "  ZeRO-3 on 8:    " + ", ".join(f"{k} {v / GB:.1f} GB" for k, v in eight.items()),
-             "", "strategy by size (planner's pick, mixed precision, 4.2M tokens per step; 405B 16.8M):"]
+             "", "strategy by size (planner's pick, mixed precision, 4.2M tokens per step; 405B 16.8M;",
+             f"  assumes {assumptions()}):"]
     for name, gpus, seq, batch in TABLE_SCENARIOS:
         cfg = MODELS[name]
         plans = plan(cfg, gpus, 80, seq, batch)
