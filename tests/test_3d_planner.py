@@ -3,6 +3,7 @@ against the measured ledger, the LR schedule, activation checkpointing equal to 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -128,6 +129,16 @@ def test_175b_at_the_articles_tp_8_costs_its_collectives_for_memory_it_does_not_
     assert extra["TP"] > 2.0 and extra["bubble"] < 0, extra
 
 
+def test_planner_page_shows_the_strategy_table_the_planner_prints_now():
+    """07_3d/planner/README.md's strategy-by-size block is `strategy_table` of today's code."""
+    from parallel3d.planner.published import README, readme_block
+    from parallel3d.planner.report import STRATEGY_MARKER, strategy_table
+
+    assert readme_block(README.read_text(encoding="utf-8"), STRATEGY_MARKER) == strategy_table(planned), (
+        "07_3d/planner/README.md's strategy-by-size table is stale: run "
+        "`python -m parallel3d.planner --write-readme` and update the prose around it")
+
+
 def test_13b_needs_no_tp_once_dp_uses_every_nic_of_its_nodes():
     """13B on 2 nodes: at TP 1 a node holds 8 members of the DP group and NCCL's rings use its
     8 NICs, so FSDP over 16 GPUs beats TP 2. Priced with one NIC per GPU whatever t (the
@@ -251,6 +262,7 @@ def test_llama3_long_context_mesh_fits_with_full_recomputation():
     assert all(p.layout.cp > 1 for p in plans)
     assert best.layout.cp >= 8 and best.times["cp_exposed"] == 0.0, best
     assert best.layout.recompute == "none" and llama3.layout.recompute == "full", why_not(best, llama3)
+    assert (best.layout.cp, best.layout.pp) == (32, 8), best.layout
     extra = {k: step_terms(llama3)[k] - v for k, v in step_terms(best).items()}
     assert sorted(extra, key=extra.get)[-2:] == ["bubble", "work"], extra
     assert extra["work"] == pytest.approx(step_terms(best)["work"] / 3, rel=0.01)
@@ -430,8 +442,31 @@ def test_sp_activations_are_korthikantis_count_for_this_llama():
         korthikanti = s * b * h * (20 + 8 * F / h) / t + s * b * (4 + 4 * a) / t
         assert layer_activation_bytes(cfg, b * s, s, t, True, "none", 2) == pytest.approx(
             korthikanti, rel=1e-12)
-    for (h, L, a, pp, v, batch), gb in (((20480, 105, 128, 35, 3, 280), 62.6),
-                                        ((25600, 128, 160, 64, 1, 512), 69.0)):
+    runs = [((20480, 105, 128, 35, 3, 280), 62.6, 83.2), ((25600, 128, 160, 64, 1, 512), 69.0, 92.7)]
+    for (h, L, a, pp, v, batch), now, before in runs:
         layout = Layout(tp=8, pp=pp, virtual_stages=v, recompute="selective")
         mem = memory_per_gpu(gpt(h, L, a, 51200), layout, 2048, batch)
-        assert mem["total"] / GB == pytest.approx(gb, abs=0.05) and mem["total"] < 0.9 * 80 * GB
+        assert mem["total"] / GB == pytest.approx(now, abs=0.05) and mem["total"] < 0.9 * 80 * GB
+        with gathered_inputs_saved():
+            assert memory_per_gpu(gpt(h, L, a, 51200), layout, 2048, batch)["total"] / GB == pytest.approx(
+                before, abs=0.05)
+
+
+@contextlib.contextmanager
+def gathered_inputs_saved():
+    """The activation count before the column layers saved their local slice: under SP the norm
+    outputs they read and the head's input held all s tokens."""
+    import parallel3d.memory_model as mm
+    from tensor_parallel import formulas
+
+    def whole(x):
+        terms = formulas.layer_activation_terms(x)
+        key = "norm outputs, read by the column layers (2)"
+        return terms | {key: terms[key] * x.t} if x.sequence_parallel else terms
+
+    mm.layer_activation_bytes.cache_clear()
+    try:
+        with mock.patch.object(mm, "layer_activation_terms", whole):
+            yield
+    finally:
+        mm.layer_activation_bytes.cache_clear()

@@ -42,7 +42,7 @@ from parallel3d.planner import (
     published_report,
 )
 from parallel3d.planner.moe import all_to_alls_per_step, moe_flops_per_token, moe_stage_units
-from parallel3d.planner.published import README, published_table, readme_table
+from parallel3d.planner.published import README, published_table, readme_block
 from parallel3d.planner.published_runs import MEGATRON_2021, SHAPES
 
 BF16 = [r for r in RUNS if not r.fp8]
@@ -123,8 +123,11 @@ def test_the_pick_says_its_assumptions_and_a_run_without_them_is_priced(capsys):
 
 
 def test_deepseek_v3_tokens_per_gpu_from_its_gpu_hours():
+    """14.8T tokens in 2.664M H800 GPU hours: 1,543 tokens/s per GPU, 54 days on its 2,048 GPUs
+    (the article: "about two months")."""
     run = next(r for r in RUNS if r.model == "deepseek-v3")
     assert run.value == pytest.approx(14.8e12 / (2.664e6 * 3600)) and round(run.value) == 1543
+    assert round(2.664e6 / run.gpus / 24) == 54
     c = price_published(run)
     assert c.plan.times["ep"] > c.plan.times["compute"] - c.plan.times["bubble"]  # EP dominates
 
@@ -219,6 +222,7 @@ def test_moe_mfu_counts_the_active_parameters():
                                   / (p.step_s * 64 * hw.peak_tflops * 1e12), rel=1e-12)
     total = 6 * moe_parameters(cfg, moe) * tokens / (p.step_s * 64 * hw.peak_tflops * 1e12)
     assert 0.2 < p.mfu < 0.6 and total > 3.3 * p.mfu
+    assert moe_parameters(cfg, moe) / moe_parameters(cfg, moe, active=True) == pytest.approx(3.6, abs=0.05)
 
 
 def test_ep_group_spans_the_tp_stride():
@@ -276,11 +280,12 @@ def test_deepseek_v3s_own_layout_is_priced_above_tp8_by_its_all_to_alls(capsys):
 
 
 def test_readme_table_is_what_the_planner_prints_now():
-    """07's README shows the published-runs table as the planner prints it, not as typed."""
+    """The planner's page shows the published-runs table as the planner prints it, not as typed."""
     text = README.read_text(encoding="utf-8")
-    assert readme_table(text) == published_table(), (
-        "07_3d/README.md's published-runs table is stale: run "
-        "`python -m parallel3d.planner --published --write-readme` and update the prose around it")
+    assert README.parent.name == "planner"
+    assert readme_block(text) == published_table(), (
+        "07_3d/planner/README.md's published-runs table is stale: run "
+        "`python -m parallel3d.planner --write-readme` and update the prose around it")
     assert published_table() in published_report()
 
 
