@@ -22,7 +22,9 @@ One block, t ranks (no SP)                         with sequence parallelism (SP
     row-parallel:    wo, w2 (then g = all-reduce; under SP, RS = reduce-scatter over the sequence)
 
 Per block per micro-batch: no SP, 2 all-reduces of b·s·h forward (the g's) and 2 backward (the
-f's); with SP, 2 all-gathers + 2 reduce-scatters of b·s·h in each direction (same wire bytes).
+f's); with SP, 2 all-gathers + 2 reduce-scatters of b·s·h in each direction (the same wire
+bytes), plus 2 all-gathers in backward: the column layers save their input's s/t tokens, not
+the gathered s, and gather them again (once for wq, wk, wv; once for w1, w3).
 K/V heads are split when n_kv_heads is divisible by t, and each replicated on t/n_kv_heads ranks
 when n_kv_heads < t (their gradients summed over the replicas: one more all-reduce each).
 """

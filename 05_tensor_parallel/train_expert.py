@@ -189,7 +189,8 @@ class ExpertParallelStrategy(Strategy):
 
     def report_extras(self) -> dict:
         """The all-to-all formula; the rows each rank's experts processed in each dispatch (one per
-        MoE layer and micro-batch) and, per step, `load_imbalance` of them. A collective."""
+        MoE layer and micro-batch) and per step, and per step `load_imbalance` of the dispatches.
+        A collective."""
         load = torch.tensor([[n for _, _, n in step] for step in self.steps_log],
                             dtype=torch.float64, device=self.device)
         every = [torch.empty_like(load) for _ in range(self.world)]
@@ -197,8 +198,8 @@ class ExpertParallelStrategy(Strategy):
         rows = torch.stack(every, -1)  # [steps, dispatches, world]
         imbalance = load_imbalance(rows, self.ep)
         return {"ep": self.ep, "ep_all_to_all_bytes_formula": self.all_to_all_formula(),
-                "ep_rows_per_dispatch": rows.tolist(), "ep_load_imbalance": imbalance.tolist(),
-                "ep_load_imbalance_max": imbalance.max().item()}
+                "ep_rows_per_rank": rows.sum(1).tolist(), "ep_rows_per_dispatch": rows.tolist(),
+                "ep_load_imbalance": imbalance.tolist(), "ep_load_imbalance_max": imbalance.max().item()}
 
 
 def load_imbalance(rows: torch.Tensor, ep: int) -> torch.Tensor:

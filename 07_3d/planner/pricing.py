@@ -4,20 +4,24 @@ Pure arithmetic over `memory_model`; the table and the article's comparison are 
 
 Every candidate is priced by `memory_model` (per-GPU bytes) and a step-time model:
 
-    t_step = C·(1 + (p-1)/(v·m)) + T_tp + T_cp + T_pp + max(0, T_dp - C)
-    C      = (6·N + 12·L·h·s)·tokens·(1 + recompute) / (G · peak · efficiency)
+    t_step = C·(1 + (p-1)/(v·m)) + T_tp + T_cp + T_pp + T_dp,exposed + T_ep
+    C      = F·tokens·(1 + recompute) / (G · peak · efficiency)
 
+F the model FLOPs per token (`model_flops_per_token`: Megatron-LM's count, which MFU uses too),
 the compute C stretched by the pipeline bubble (m micro-batches per replica, v virtual stages),
-plus the TP collectives on NVLink (on the critical path), ring attention's K/V transfers beyond
-the attention compute they overlap (T_cp), the PP sends, and the data-parallel
-traffic beyond what hides behind compute (α·2(d-1) latency per ring collective included). With
-the mesh order TP, CP, DP, PP a CP group spans t·cp consecutive GPUs and a DP group (gradients
-reduced over dp·cp: CP ranks hold the same parameters) t·cp·dp: inside a node it runs on NVLink,
-inside a pod on the full network, beyond it at 1/7 of that (the oversubscribed aggregation layer
-of Llama 3's cluster, the reason its DP groups are kept small). TP stays inside a node (the
-article's rule: TP needs NVLink). The recommendation is the simplest candidate within 5% of the
-fastest that fits in `headroom`·M (`recommend`), CP counting as the least simple: the rule of
-thumb, CP only when one sequence's activations outgrow a GPU (or it is more than 5% faster).
+plus the TP collectives on NVLink (on the critical path, but SP's backward re-gathers, which
+overlap the dx GEMMs), ring attention's K/V transfers beyond the attention compute they overlap
+(T_cp), the PP sends, the data-parallel traffic beyond what hides behind compute (α·2(d-1)
+latency per ring collective included), and an MoE's all-to-alls. With the mesh order TP, CP, DP,
+PP a CP group spans t·cp consecutive GPUs and a DP group (gradients reduced over dp·cp: CP ranks
+hold the same parameters) t·cp·dp with its ranks t apart: inside a node it runs on NVLink,
+across nodes on the NICs of its members in each node (8/t of them: `Hardware.ring_bandwidth`),
+beyond a pod at 1/7 of that (the oversubscribed aggregation layer of Llama 3's cluster, the
+reason its DP groups are kept small). TP stays inside a node (the article's rule: TP needs
+NVLink). The recommendation is the simplest candidate within 5% of the fastest that fits in
+`headroom`·M (`recommend`), CP counting as the least simple: the rule of thumb, CP only when one
+sequence's activations outgrow a GPU (or it is more than 5% faster). The candidates assume flash
+attention and SP at TP > 1 unless told otherwise (`plan`).
 """
 
 from __future__ import annotations
@@ -83,7 +87,7 @@ def model_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     parameter of every matmul, forward and backward, the output layer included and the input
     embedding not (a lookup), + the attention scores' `attention_flops_per_token` (12·L·h·s for
     MHA/GQA; MLA's head widths); recomputation not counted. The step's compute and MFU both use
-    it. (PaLM's 6N + 12·L·H·Q·T counts the embedding in N: +6.5% on Llama 3 8B.)"""
+    it. (PaLM's 6N + 12·L·H·Q·T counts the embedding in N: +7.0% matmul FLOPs on Llama 3 8B.)"""
     return 6 * (total_parameters(cfg) - cfg.vocab_size * cfg.dim) + attention_flops_per_token(cfg, seq_len)
 
 

@@ -6,7 +6,7 @@ predicted figure beside the published one, in the source's own unit and definiti
 
 A source that reports TFLOP/s counts FLOPs its own way (Megatron-LM 2021 counts the recomputed
 forward; Megatron-Core counts the output layer but not the embedding lookup), so the prediction
-is converted with the same formula rather than compared with the planner's 6N. `BAND` is how
+is converted with the same formula rather than compared with the planner's model FLOPs. `BAND` is how
 far a bf16 prediction may fall from the published figure; FP8 runs are outside what the model
 prices (a bf16 peak) and are only expected to come out below it.
 """
