@@ -22,7 +22,9 @@ One block, t ranks (no SP)                         with sequence parallelism (SP
     row-parallel:    wo, w2 (then g = all-reduce; under SP, RS = reduce-scatter over the sequence)
 
 Per block per micro-batch: no SP, 2 all-reduces of b·s·h forward (the g's) and 2 backward (the
-f's); with SP, 2 all-gathers + 2 reduce-scatters of b·s·h in each direction (same wire bytes).
+f's); with SP, 2 all-gathers + 2 reduce-scatters of b·s·h in each direction (the same wire
+bytes), plus 2 all-gathers in backward: the column layers save their input's s/t tokens, not
+the gathered s, and gather them again (once for wq, wk, wv; once for w1, w3).
 K/V heads are split when n_kv_heads is divisible by t, and each replicated on t/n_kv_heads ranks
 when n_kv_heads < t (their gradients summed over the replicas: one more all-reduce each).
 """
@@ -36,7 +38,7 @@ from torch import nn
 
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import ColumnParallelLinear, RowParallelLinear, SequenceParallelRMSNorm, VocabParallelEmbedding
-from .mappings import copy_to_tp_region, gather_from_sequence_parallel_region
+from .mappings import copy_to_tp_region, gather_for_column_parallel
 from .sharding import TPShard, group_size, tp_shard_specs
 
 # --- the styles: how one module is cut ----------------------------------------------------------
@@ -251,11 +253,12 @@ def plan_table(module: nn.Module, tp: int, plan: dict[str, Style] = LLAMA_TP_PLA
 
 
 def _map_input(group, sequence_parallel: bool):
-    """The forward pre-hook of MappedInput: f, or SP's all-gather of the sequence."""
+    """The forward pre-hook of MappedInput: f, or SP's all-gather of the sequence (whose column
+    layers save the local s/t tokens and gather them again in backward, once for all of them)."""
 
     def hook(module: nn.Module, args: tuple) -> tuple:
         x, *rest = args
-        x = (gather_from_sequence_parallel_region(x, group) if sequence_parallel
+        x = (gather_for_column_parallel(x, group) if sequence_parallel
              else copy_to_tp_region(x, group))
         return (x, *rest)
 

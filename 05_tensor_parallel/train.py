@@ -56,6 +56,7 @@ from tensor_parallel import (
 from tensor_parallel.formulas import (
     Shape,
     block_comm_bytes,
+    block_comm_terms,
     cp_activation_bytes,
     cp_comm_bytes,
     cp_model_activation_terms,
@@ -242,7 +243,8 @@ class TensorParallelStrategy(Strategy):
         extras = {"tp": self.tp, "sequence_parallel": self.sequence_parallel,
                   "activation_per_layer_formula": layer_activation_bytes(self.shape),
                   "activation_terms": model_activation_terms(self.shape),
-                  "comm_per_block_formula": block_comm_bytes(self.shape)}
+                  "comm_per_block_formula": block_comm_bytes(self.shape),
+                  "comm_per_block_terms": {k: v for k, (_, v) in block_comm_terms(self.shape).items()}}
         if self.cp > 1:
             x = self.shape
             kv = x.kv // x.t if x.kv >= x.t else 1

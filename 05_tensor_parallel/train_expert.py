@@ -188,13 +188,24 @@ class ExpertParallelStrategy(Strategy):
             "params": P * self.e, "grads": P * self.reduce_itemsize, "optimizer": opt}
 
     def report_extras(self) -> dict:
-        """The all-to-all formula; per step, max/mean rows per EP rank (worst group). A collective."""
-        load = torch.tensor([sum(n for _, _, n in step) for step in self.steps_log],
+        """The all-to-all formula; the rows each rank's experts processed in each dispatch (one per
+        MoE layer and micro-batch) and per step, and per step `load_imbalance` of the dispatches.
+        A collective."""
+        load = torch.tensor([[n for _, _, n in step] for step in self.steps_log],
                             dtype=torch.float64, device=self.device)
         every = [torch.empty_like(load) for _ in range(self.world)]
         dist.all_gather(every, load)
-        rows = torch.stack(every, 1).view(len(self.steps_log), self.world // self.ep, self.ep)
-        imbalance = (rows.amax(-1) / rows.mean(-1).clamp_min(1e-300)).amax(-1)
+        rows = torch.stack(every, -1)  # [steps, dispatches, world]
+        imbalance = load_imbalance(rows, self.ep)
         return {"ep": self.ep, "ep_all_to_all_bytes_formula": self.all_to_all_formula(),
-                "ep_rows_per_rank": rows.flatten(1).tolist(), "ep_load_imbalance": imbalance.tolist(),
-                "ep_load_imbalance_max": imbalance.max().item()}
+                "ep_rows_per_rank": rows.sum(1).tolist(), "ep_rows_per_dispatch": rows.tolist(),
+                "ep_load_imbalance": imbalance.tolist(), "ep_load_imbalance_max": imbalance.max().item()}
+
+
+def load_imbalance(rows: torch.Tensor, ep: int) -> torch.Tensor:
+    """rows [steps, dispatches, world]: the rows each rank's experts took in each dispatch (EP
+    groups: ep consecutive ranks) → per step, the max over dispatches and groups of max/mean
+    over the group. Each layer's all-to-all waits for its slowest rank, so a step is as slow as
+    its worst dispatch: rows summed over a step's layers would average the stragglers out."""
+    grouped = rows.unflatten(-1, (-1, ep))
+    return (grouped.amax(-1) / grouped.mean(-1).clamp_min(1e-300)).flatten(1).amax(-1)

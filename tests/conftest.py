@@ -51,7 +51,7 @@ BUDGET_S: dict[str, tuple[tuple[str, ...], float]] = {
     "06 pipeline": (("test_pipeline*.py", "test_p2p_plan.py"), 46),
     "07 3D": (("test_3d*.py", "test_parallel3d*.py"), 135),
     "checkpoints": (("test_checkpoint*.py",), 75),
-    "notebooks (lessons, exercises)": (("test_notebooks.py", "test_exercises.py"), 205),
+    "notebooks (lessons, exercises)": (("test_notebooks.py", "test_exercises.py", "test_lessons.py"), 205),
     "labs (the grader on each lab)": (("test_lab_*.py",), 80),
     "benches (each exits)": (("test_benches.py",), 28),
     "moe (the layer, its training, expert parallelism)": (("test_moe*.py", "test_expert_parallel.py"), 25),

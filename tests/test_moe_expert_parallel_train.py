@@ -6,12 +6,14 @@ is the max/mean of its rows per rank; bad --ep / --tp / --cp fail on every rank 
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from common.dist import init_distributed
 from common.model import get_config
 from common.training import train
 from tensor_parallel import train as tp_train
+from tensor_parallel.train_expert import load_imbalance
 from tests.harness import RankError
 
 
@@ -38,10 +40,19 @@ def test_train_check_passes_and_report_matches_formulas(pools, world, flags):
         assert sent == pytest.approx(r["ep_all_to_all_bytes_formula"], rel=1e-12) and sent > 0
     for key in ("params", "grads", "optimizer"):
         assert report["memory"][key] == pytest.approx(report["memory_formula"][key], rel=1e-12), key
-    rows = report["ep_rows_per_rank"]
-    for step, imbalance in zip(rows, report["ep_load_imbalance"], strict=True):
-        groups = [step[i:i + 2] for i in range(0, world, 2)]
+    for step, imbalance in zip(report["ep_rows_per_dispatch"], report["ep_load_imbalance"], strict=True):
+        assert len(step) == 7 * (2 if "--grad-accum" in flags else 1)  # MoE layers × micro-batches
+        groups = [rows[i:i + 2] for rows in step for i in range(0, world, 2)]
         assert imbalance == pytest.approx(max(max(g) / (sum(g) / 2) for g in groups))
+
+
+def test_load_imbalance_is_the_worst_dispatch_not_the_step_sum():
+    """Two MoE layers on EP 2, each with a straggler: layer 0 sends 3 rows to rank 0 and 1 to
+    rank 1, layer 1 the reverse. Each all-to-all waits for its busiest rank (3 against a mean of
+    2): 1.5, where the step's summed rows (4, 4) would say 1.0."""
+    rows = torch.tensor([[[3.0, 1.0], [1.0, 3.0]], [[2.0, 2.0], [2.0, 2.0]]])  # [step, layer, rank]
+    assert load_imbalance(rows, 2).tolist() == [1.5, 1.0]
+    assert load_imbalance(rows.repeat(1, 1, 2), 2).tolist() == [1.5, 1.0]  # two EP groups
 
 
 def validate_argv(argv: list[str], n_experts: int | None = None):
