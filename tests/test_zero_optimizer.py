@@ -77,8 +77,10 @@ def max_relative_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
     return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-30)).item() for k in b)
 
 
-def user_loop(stage: int, ownership: str, optimizer: str, scheduler: str) -> dict:
-    """3 steps, a consolidated state_dict into a fresh model + optimizer + scheduler, 3 more;
+def user_loop(stage: int, ownership: str, optimizer: str, scheduler: str, path: str) -> dict:
+    """3 steps, a master-only save of model + optimizer + scheduler (torch's ZeroRedundancyOptimizer
+    way: consolidate_state_dict(to=0) on every rank, then rank 0 alone calls state_dict() and
+    torch.save), every rank loading the file into a fresh model + optimizer + scheduler, 3 more;
     single-device torch alongside (every rank runs it on the whole batch)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model(0)
@@ -89,15 +91,21 @@ def user_loop(stage: int, ownership: str, optimizer: str, scheduler: str) -> dic
     train_steps(model, opt, sched, range(3), rank, world)
     train_steps(reference, ref_opt, ref_sched, range(3), 0, 1)
 
-    saved, ref_saved = opt.state_dict(), ref_opt.state_dict()
-    assert saved["param_groups"] == ref_saved["param_groups"]  # settings, lr, initial_lr: torch's
-    state_diff = max(max_relative_diff(saved["state"][i], ref_saved["state"][i]) for i in ref_saved["state"])
+    opt.consolidate_state_dict(to=0)
+    state_diff = None
+    if rank == 0:  # the other ranks call nothing: a collective state_dict() would hang here
+        saved, ref_saved = opt.state_dict(), ref_opt.state_dict()
+        assert saved["param_groups"] == ref_saved["param_groups"]  # settings, lr, initial_lr: torch's
+        state_diff = max(max_relative_diff(saved["state"][i], ref_saved["state"][i]) for i in ref_saved["state"])
+        torch.save({"model": model.state_dict(), "optimizer": saved, "scheduler": sched.state_dict()}, path)
+    dist.barrier()
 
-    resumed = make_model(1)  # other values: everything must come from the checkpoints
-    resumed.load_state_dict(model.state_dict())
+    checkpoint = torch.load(path)
+    resumed = make_model(1)  # other values: everything must come from the checkpoint
+    resumed.load_state_dict(checkpoint["model"])
     opt, sched2 = build(resumed, zero, optimizer, scheduler)
-    opt.load_state_dict(saved)
-    sched2.load_state_dict(sched.state_dict())
+    opt.load_state_dict(checkpoint["optimizer"])
+    sched2.load_state_dict(checkpoint["scheduler"])
     train_steps(resumed, opt, sched2, range(3, 6), rank, world)
     train_steps(reference, ref_opt, ref_sched, range(3, 6), 0, 1)
     return {"state": state_diff, "lr": [g["lr"] for g in opt.param_groups],
@@ -113,11 +121,78 @@ def user_loop(stage: int, ownership: str, optimizer: str, scheduler: str) -> dic
     pytest.param(2, 1, "parameter", "adafactor", "lambda",
                  marks=pytest.mark.skipif(not HAS_ADAFACTOR, reason="torch.optim.Adafactor: torch >= 2.5")),
 ])
-def test_zero_optimizer_in_a_users_loop_equals_single_device(pools, world, stage, ownership, optimizer,
-                                                             scheduler):
-    for result in pools.run(world, user_loop, stage, ownership, optimizer, scheduler):
-        assert result["state"] <= 1e-10 and result["params"] <= 1e-10, result
+def test_zero_optimizer_in_a_users_loop_equals_single_device(pools, tmp_path, world, stage, ownership,
+                                                             optimizer, scheduler):
+    """Also: the master-only save does not hang (state_dict() is local)."""
+    results = pools.run(world, user_loop, stage, ownership, optimizer, scheduler, str(tmp_path / "ckpt.pt"))
+    assert results[0]["state"] <= 1e-10, results[0]
+    for result in results:
+        assert result["params"] <= 1e-10, result
         assert result["lr"] == result["ref_lr"], result
+
+
+def bf16_resume(stage: int, path: str) -> dict:
+    """bf16 mixed precision: 2 steps, a master-only save, a fresh fp32 model of other values whose
+    weights are NOT loaded (the fp32 "master" values in the optimizer's state dict carry them),
+    then 1 step on both: the resumed run equals the uninterrupted one bit for bit."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    runs = []
+    for seed in (0, 1):
+        model = make_model(seed).float()
+        runs.append((model, ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, bf16=True,
+                                          lr=1e-2, foreach=False)))
+
+    def train(model, opt, steps) -> None:
+        for step in steps:
+            x, y = batch(step)
+            F.mse_loss(model(x[rows].to(torch.bfloat16)).float(), y[rows].float()).backward()
+            opt.step()
+            opt.zero_grad()
+
+    (model, opt), (resumed, fresh) = runs
+    train(model, opt, range(2))
+    opt.consolidate_state_dict(to=0)
+    if rank == 0:
+        torch.save(opt.state_dict(), path)
+    dist.barrier()
+    fresh.load_state_dict(torch.load(path))  # local: each rank writes its whole flat parameters
+    train(model, opt, [2])
+    train(resumed, fresh, [2])
+    return {"same": all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters(), strict=True))
+            and all(torch.equal(a, b) for a, b in zip(opt.full_parameters().values(),
+                                                      fresh.full_parameters().values(), strict=True))}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bf16_resume_from_the_masters_alone_is_bitwise(pools, tmp_path, stage):
+    assert pools.run(2, bf16_resume, stage, str(tmp_path / "opt.pt")) == [{"same": True}] * 2
+
+
+def unconsolidated_state_dict(to: int | None) -> dict:
+    """state_dict() on every rank, before (`to` None) or after consolidate_state_dict(to)."""
+    model = make_model(0)
+    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-2)
+    x, y = batch(0)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    if to is not None:
+        opt.consolidate_state_dict(to=to)
+    try:
+        return {"state": len(opt.state_dict()["state"])}
+    except RuntimeError as error:
+        return {"error": str(error)}
+
+
+def test_state_dict_without_consolidation_raises_torchs_error_naming_the_call(pools):
+    """torch's message, word for word; after consolidate_state_dict(to=1) only rank 1 holds it."""
+    for rank, result in enumerate(pools.run(2, unconsolidated_state_dict, None)):
+        assert result["error"] == (
+            "Optimizer state has not been consolidated on this rank. Please call "
+            f"`consolidate_state_dict(to={rank})` on all ranks beforehand if you meant to save the "
+            "global state."), result
+    first, second = pools.run(2, unconsolidated_state_dict, 1)
+    assert "`consolidate_state_dict(to=0)`" in first["error"] and second == {"state": 6}, (first, second)
 
 
 def slice_adafactor() -> None:
