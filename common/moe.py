@@ -18,10 +18,12 @@ Load balance (DeepSeek-V3's sequence-wise loss; Switch's f·P, per sequence). Se
 The mean over sequences decomposes over data-parallel shards (the global-batch mean is the mean of
 equal shards' means); one f·P over the whole batch would not. `MoEAuxLossAutoScaler` (Megatron's)
 returns the layer output unchanged and, in backward, also backpropagates scale · aux, so every MoE
-layer gets its aux gradient even on a pipeline stage that never sees the loss. `scale` is set by
-whoever divides the loss by the number of micro-batches: `set_aux_loss_scale(model, s)` (the shared
-loop: 1/k; the pipeline executor: 1/m; the single-device reference: the default 1). The reported
-loss stays the cross-entropy; `aux_loss(model)` is the Σ over layers of the last forward's aux.
+layer gets its aux gradient even on a pipeline stage that never sees the loss. Its `scale` is the
+layer's `aux_loss_scale`, which whoever divides the loss by the number of micro-batches sets on
+every module that has one (the shared loop: 1/k; the pipeline executor: 1/m; your own loop:
+`set_aux_loss_scale(model, 1/k)`; the single-device reference keeps the default 1): they look for
+the attribute, never import this file, so a dense copy of them leaves it out. The reported loss
+stays the cross-entropy; `aux_loss(model)` is the Σ over layers of the last forward's aux.
 
 Capacity (capacity_factor None: dropless, the default): C = ceil(cf · T · k / E) slots per expert
 per sequence, kept first come first kept in position order (t < t' ⇒ (t, j) before (t', j')). A
@@ -55,8 +57,6 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-GATES = ("softmax", "sigmoid")
 
 
 @dataclass
@@ -123,7 +123,7 @@ def route(logits: torch.Tensor, top_k: int, gate: str, capacity_factor: float | 
         probs = scores.sigmoid()
         normalised = probs / probs.sum(-1, keepdim=True)
     else:
-        raise ValueError(f"gate={gate!r}: use one of {', '.join(GATES)}")
+        raise ValueError(f"gate={gate!r}: use 'softmax' or 'sigmoid'")
     experts = scores.topk(top_k, dim=-1).indices  # [B, T, k]
     chosen = probs.gather(-1, experts)
     weights = (chosen / chosen.sum(-1, keepdim=True)).to(logits.dtype)

@@ -63,6 +63,22 @@ def test_each_copy_set_is_the_import_closure_of_its_entries():
             f"{copy_sets.closure(piece.entries)}: update COPY_SETS in common/copy_sets.py")
 
 
+MOE_PIECES: tuple[str, ...] = ()  # pieces that exist for a MoE model (none is a copy set yet)
+
+
+def test_moe_stays_out_of_the_loop_the_executor_and_every_dense_copy():
+    """The shared loop and the pipeline executor tell a module with its own loss term its scale
+    through the module's `aux_loss_scale`, without importing common/moe.py; common/model.py imports
+    it only to build a MoE block; so no dense piece's copy carries it (parallelize_3d's names it
+    for a MoE model). Re-adding the import anywhere on those paths turns this red."""
+    for path in ("common/training.py", "06_pipeline/executor.py", "common/model.py"):
+        assert "common/moe.py" not in copy_sets.closure((path,)), f"{path} imports common/moe.py"
+    for name, piece in COPY_SETS.items():
+        if name not in MOE_PIECES:
+            assert "common/moe.py" not in piece.files + copy_sets.closure(piece.entries), name
+    assert copy_sets.optional_files(COPY_SETS["parallelize_3d"]) == ("common/moe.py",)
+
+
 def test_each_readme_gives_its_pieces_copy_sets():
     for readme in copy_sets.readmes():
         section = copy_sets.current_section((ROOT / readme).read_text(encoding="utf-8")) or ""
@@ -73,8 +89,8 @@ def test_each_readme_gives_its_pieces_copy_sets():
 
 def lay_out(files: tuple[str, ...], root: Path) -> Path:
     """`files` copied into `root` under their package names, an empty __init__.py in each
-    package folder; the user's model (common/model.py as `user_model`, and the common/moe.py it
-    imports) beside them when the set does not hold it."""
+    package folder; the user's (dense) model, common/model.py as `user_model`, beside them when
+    the set does not hold it (a dense model never imports common/moe.py)."""
     for f in files:
         dest = root / copy_sets.copy_path(f)
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -82,12 +98,8 @@ def lay_out(files: tuple[str, ...], root: Path) -> Path:
         for folder in dest.relative_to(root).parents:
             if folder != Path("."):
                 (root / folder / "__init__.py").touch()
-    if "common/model.py" not in files:  # the user's model, with the MoE layer it imports
+    if "common/model.py" not in files:  # the user's model
         shutil.copy(ROOT / "common/model.py", root / "user_model.py")
-        (root / "common").mkdir(exist_ok=True)
-        (root / "common/__init__.py").touch()
-        if not (root / "common/moe.py").exists():
-            shutil.copy(ROOT / "common/moe.py", root / "common/moe.py")
     return root
 
 

@@ -96,7 +96,8 @@ def user_loop(stage: int, ownership: str, optimizer: str, scheduler: str, path: 
     if rank == 0:  # the other ranks call nothing: a collective state_dict() would hang here
         saved, ref_saved = opt.state_dict(), ref_opt.state_dict()
         assert saved["param_groups"] == ref_saved["param_groups"]  # settings, lr, initial_lr: torch's
-        state_diff = max(max_relative_diff(saved["state"][i], ref_saved["state"][i]) for i in ref_saved["state"])
+        state_diff = max(max_relative_diff(saved["state"][i], ref_saved["state"][i])
+                         for i in ref_saved["state"])
         torch.save({"model": model.state_dict(), "optimizer": saved, "scheduler": sched.state_dict()}, path)
     dist.barrier()
 
@@ -159,9 +160,9 @@ def bf16_resume(stage: int, path: str) -> dict:
     fresh.load_state_dict(torch.load(path))  # local: each rank writes its whole flat parameters
     train(model, opt, [2])
     train(resumed, fresh, [2])
-    return {"same": all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters(), strict=True))
-            and all(torch.equal(a, b) for a, b in zip(opt.full_parameters().values(),
-                                                      fresh.full_parameters().values(), strict=True))}
+    pairs = [*zip(model.parameters(), resumed.parameters(), strict=True),
+             *zip(opt.full_parameters().values(), fresh.full_parameters().values(), strict=True)]
+    return {"same": all(torch.equal(a, b) for a, b in pairs)}
 
 
 @pytest.mark.parametrize("stage", [1, 2])
