@@ -119,6 +119,25 @@ def test_options_we_cannot_honour_fail_before_any_collective(kwargs, error, mess
         FullyShardedDataParallel(nn.Linear(2, 2), **kwargs)
 
 
+@pytest.mark.parametrize("name, fix", [
+    ("apply", r"call fn on the module before wrapping it, or pass param_init_fn"),
+    ("summon_full_params", r"model.full_state_dict\(rank0_only=False\)"),
+    ("state_dict_type", r"state_dict\(\) is already FULL_STATE_DICT"),
+    ("full_optim_state_dict", r"optim_state_dict\(model, optim\)"),
+    ("register_comm_hook", r"flat_param.py's reduce_grad"),
+])
+def test_torchs_fsdp1_methods_not_implemented_here_raise_naming_the_fix(name, fix):
+    """Called the torch way, on the class (FSDP.summon_full_params(model)) or on a model, before any
+    collective; nn.Module.apply would silently run on freed views, so it is refused too."""
+    assert not dist.is_initialized()
+    model = FullyShardedDataParallel.__new__(FullyShardedDataParallel)  # no process group needed
+    for call in (lambda: getattr(FullyShardedDataParallel, name)(model, nn.Linear(2, 2)),
+                 lambda: getattr(model, name)(lambda m: None)):
+        with pytest.raises(NotImplementedError, match=rf"FullyShardedDataParallel.{name} \(torch's FSDP1\) "
+                           rf"is not implemented here: .*{fix}"):
+            call()
+
+
 def test_cpu_offload_that_offloads_nothing_is_accepted_as_torchs_default():
     from fsdp.wrap import check_options
     check_options(None, ShardingStrategy.FULL_SHARD, None, torch_fsdp.CPUOffload(offload_params=False),
