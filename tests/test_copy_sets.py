@@ -25,14 +25,8 @@ from common.forkrun import forkrun
 
 LOOPS = Path(__file__).with_name("copy_loops.py")
 WORLD = {"parallelize_3d": 4}  # tp 2 × pp 2; every other piece on 2 ranks
-# MARKER (issue 24, ZeroOptimizer's new API): the plain-keyword ZeroOptimizer of branch h-zero
-# takes any number of backward passes before step() (no_sync too) and leaves p.grad a view of the
-# reduced gradient at stage 0, so torch's clip_grad_norm_ applies there. Until it is merged the
-# copy test trains ZeroOptimizer with one backward per step and opt.clip_grad_norm_ (what the
-# current API takes); after the merge set True, and in common/copy_sets.py its set loses
-# 03_zero/config.py and gains common/collectives.py (then `python -m common.copy_sets --write`).
-ZERO_ACCUMULATES = True
 TOLERANCE = 1e-10
+STEPS = 3  # 2 steps, a checkpoint, a fresh piece loaded from it, 1 step more
 
 
 def test_core_files_import_only_the_stdlib_torch_their_chapter_and_the_kernel():
@@ -105,8 +99,7 @@ def lay_out(files: tuple[str, ...], root: Path) -> Path:
 
 def run_copy(piece: str, files: tuple[str, ...], tmp_path: Path):
     root = lay_out(files, tmp_path / "copy")
-    flags = ["--zero-accumulates"] if ZERO_ACCUMULATES else []
-    return root, forkrun(str(LOOPS), piece, str(root), str(tmp_path), *flags, nproc=WORLD.get(piece, 2),
+    return root, forkrun(str(LOOPS), piece, str(root), str(tmp_path), nproc=WORLD.get(piece, 2),
                          cwd=tmp_path, env={"COPY_PACKAGES": ",".join(copy_sets.PACKAGES)}, timeout_s=240)
 
 
@@ -120,7 +113,7 @@ def test_a_copy_of_the_set_alone_trains_like_one_device(piece, tmp_path):
     assert not outside, f"{piece} imported project code from outside its copy: {outside}"
     expected = {str(root / copy_sets.copy_path(f)) for f in COPY_SETS[piece].files}
     assert expected <= set(report["files"]), sorted(expected - set(report["files"]))
-    assert report["steps"] >= 2 and report["norms"] <= TOLERANCE and report["params"] <= TOLERANCE, report
+    assert report["steps"] >= STEPS and report["norms"] <= TOLERANCE and report["params"] <= TOLERANCE, report
 
 
 def test_a_copy_missing_a_file_fails_instead_of_reaching_the_repository(tmp_path):
