@@ -97,6 +97,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{key}={value!r}: a whole number of elements >= 1 (DeepSpeed's 5e8)")
         if offload_param and stage != 3:
             raise ValueError(f"offload_param=True with stage {stage}: only stage 3 partitions the parameters")
+        for key in ("parameters_as_bucket_view", "overlap_with_ddp"):  # ZeroRedundancyOptimizer's, False
+            if defaults.pop(key, False):
+                raise NotImplementedError(f"{key}=True is not implemented here: ZeroOptimizer keeps its own "
+                                          "flat buckets and overlaps its reductions with backward; drop it")
         self.stage, self.group, self.ownership = stage, process_group, ownership
         self.world, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
         self.shard_world, self.shard_rank = (1, 0) if stage == 0 else (self.world, self.rank)
@@ -150,19 +154,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for g in groups:
             for i, p in enumerate(g.params):
                 self._slot[p] = (g, i)
-                p.register_hook(lambda grad, p=p: self._before_accumulation(p))
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                for handle in getattr(p, "_zero_hooks", ()):  # a new optimizer over them takes over
+                    handle.remove()
+                    p.grad = None  # the old one's unreadable ShardedGrad: a zero gradient, for torch
+                p._zero_hooks = (p.register_hook(lambda grad, p=p: self._before_accumulation(p)),
+                                 p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     def _choose_dtypes(self, first: nn.Parameter) -> None:
-        cpu = torch.device("cpu")
         self.param_dtype, self.device = first.dtype, self.device or first.device
         if self.bf16 and first.dtype != torch.float32:
             raise ValueError(f"bf16 mixed precision takes an fp32 model (the fp32 master weights "
                              f"come from it); got {first.dtype}")
         self.compute_dtype = torch.bfloat16 if self.bf16 else first.dtype
         self.master_dtype = self.reduce_dtype = torch.float32 if self.bf16 else first.dtype
-        self.offload_device = cpu if self.offload_optimizer else self.device
-        self.param_device = cpu if self.offload_param else self.device
+        self.offload_device = torch.device("cpu") if self.offload_optimizer else self.device
+        self.param_device = torch.device("cpu") if self.offload_param else self.device
 
     def _layout(self, named: list[tuple[str, nn.Parameter]]) -> list[FlatGroup]:
         """Stages 0-2: reduce buckets (stage 0 "shards" over one rank: each owns everything);
@@ -220,8 +226,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                          f"stage {self.stage}: each of the {self.world} ranks holds only its reduced slice")
 
     def _require_elementwise(self) -> None:
-        cls = type(self.optim)
-        if self.ownership == "slice" and cls not in ELEMENTWISE:
+        if self.ownership == "slice" and (cls := type(self.optim)) not in ELEMENTWISE:
             raise ValueError(
                 f"{cls.__name__} is not element-wise, and ZeRO's slices are 1-D pieces that cross "
                 f"parameter boundaries: it would step shapes no single-device run has (silently "
@@ -274,8 +279,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._launch_ready()
 
     def _launch_ready(self) -> None:
-        """Launch complete groups strictly in `reduce_order`, so every rank issues the same
-        collectives in the same order whatever order autograd finished them in."""
+        """Complete groups strictly in `reduce_order`: every rank posts the same collectives in order."""
         while self._next < len(self.reduce_order):
             g = self.reduce_order[self._next]
             if len(g.ready) < len(g.params):
@@ -356,8 +360,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradient buffers (and any no_sync accumulation); `set_to_none` also sets
-        every p.grad to None, as torch's does."""
+        """Zero the gradient buffers (and no_sync's); `set_to_none`: every p.grad None, as torch's."""
         for g in self.flat_groups:
             g.zero_grad()
             for p in g.params if set_to_none else ():
@@ -367,20 +370,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     # --- checkpoints: torch's ZeroRedundancyOptimizer pair, per-parameter format ---------------
     def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather the whole state on group rank `to` (a collective: every rank calls it), as a
-        single-device torch optimizer keeps it (bf16 adds each fp32 "master"); others hold none."""
+        """The whole state (bf16: with fp32 "master"s) on group rank `to`, none elsewhere (collective)."""
         self._consolidated = optimizer_state.consolidate(
             self.flat_groups, self.pieces, self.optim, self.param_groups, self.group, to,
             self.shard_world, with_master=self.master_dtype != self.compute_dtype)
 
     def state_dict(self) -> dict[str, Any]:
-        """Local: the state last consolidated on this rank, with the current param_groups; raises,
-        naming `consolidate_state_dict(to=rank)`, where none was (torch's contract)."""
+        """Local: the last consolidated state, current param_groups; raises where none (torch's)."""
         return optimizer_state.consolidated_state_dict(self._consolidated, self.param_groups, self.rank)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Local, on every rank: the whole (consolidated or single-device torch) state dict; each
-        rank cuts its own shards. Load the model's weights first (stages 1-2 bind them)."""
+        """Local, every rank: the whole state dict (consolidated, or a torch optimizer's) cut to shards."""
         optimizer_state.load_consolidated_state_dict(state_dict, self.param_groups, self.flat_groups,
                                                      self.pieces, self.optim)
 

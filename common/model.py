@@ -173,6 +173,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
+        if not isinstance(dim, int):  # torch's nn.RMSNorm also takes a shape: it normalizes over all of it
+            raise TypeError(f"RMSNorm(dim={dim!r}, eps): dim is the size of the last dimension, the one "
+                            "normalized; for several, use torch.nn.RMSNorm(normalized_shape, eps)")
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))

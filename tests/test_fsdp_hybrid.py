@@ -185,7 +185,7 @@ def _all_reduce_then_reduce_scatter(self, grad: torch.Tensor, sync: bool) -> Non
         return
     dist.all_reduce(grad, group=self.replicate_group)
     out = grad.new_empty(self.shard_numel)
-    reduce_scatter_single(out, grad, self.group)
+    reduce_scatter_single(out, grad, group=self.group)
     self._reduce, self._replicating = (None, out, grad), True
 
 

@@ -170,6 +170,87 @@ def test_bf16_resume_from_the_masters_alone_is_bitwise(pools, tmp_path, stage):
     assert pools.run(2, bf16_resume, stage, str(tmp_path / "opt.pt")) == [{"same": True}] * 2
 
 
+def torch_way_zero(ours: bool) -> dict:
+    """One user's ZeroRedundancyOptimizer code, as torch's docs write it, run on torch's (with
+    torch's DDP averaging the gradients, its documented partner) and on ZeroOptimizer (which
+    reduces them itself): ZeroOptimizer(params, optimizer_class, process_group, ...) with torch's
+    keywords, add_param_group(param_group), an lr set through param_groups, step(closure),
+    zero_grad(set_to_none=False), consolidate_state_dict(to=1) then state_dict() on rank 1 (and
+    the error on rank 0), load_state_dict(state_dict) into a fresh optimizer, one more step."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    cls = ZeroOptimizer if ours else ZeroRedundancyOptimizer
+    model = make_model(0)
+    net = model if ours else DistributedDataParallel(model)
+
+    def build():
+        decay, no_decay = param_groups(model)
+        opt = cls(params=decay["params"], optimizer_class=torch.optim.AdamW, process_group=None,
+                  parameters_as_bucket_view=False, overlap_with_ddp=False, lr=1e-2, weight_decay=0.1,
+                  foreach=False)
+        opt.add_param_group(param_group=no_decay)
+        return opt
+
+    def step(opt, s: int):
+        x, y = batch(s)
+
+        def closure():
+            loss = F.mse_loss(net(x[rows]), y[rows])
+            loss.backward()
+            return loss
+
+        loss = opt.step(closure=closure)
+        opt.zero_grad(set_to_none=False)
+        return loss.item()
+
+    opt = build()
+    losses = [step(opt, 0)]
+    for group in opt.param_groups:
+        group["lr"] = 5e-3
+    losses.append(step(opt, 1))
+    opt.consolidate_state_dict(to=1)
+    try:
+        saved, error = opt.state_dict(), None
+    except RuntimeError as e:
+        saved, error = None, str(e)
+    facts = {"rank": opt.rank, "optim": type(opt.optim).__name__, "error": error}
+    whole = [saved]
+    dist.broadcast_object_list(whole, src=1)  # rank 1's file, as every rank would torch.load it
+    opt = build()
+    opt.load_state_dict(state_dict=copy.deepcopy(whole[0]))  # torch's load writes None into the dict
+    losses.append(step(opt, 2))
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    net = opt = None  # torch's DDP and ZeRO hold the process group: gone before the pool's next call
+    return {"losses": losses, "saved": saved, "params": params, **facts}
+
+
+def test_torchs_zero_redundancy_optimizer_calls_give_torchs_results(pools):
+    """The same losses, the same consolidated state dict (format and values) on rank 1, torch's
+    error on rank 0, the same resumed parameters (float64, 1e-10); rank and optim mean the same."""
+    theirs, ours = (pools.run(2, torch_way_zero, flag) for flag in (False, True))
+    for rank in (0, 1):
+        t, o = theirs[rank], ours[rank]
+        assert o["losses"] == pytest.approx(t["losses"], rel=1e-10)
+        assert max_relative_diff(o["params"], t["params"]) <= 1e-10
+        assert (o["rank"], o["optim"], o["error"]) == (t["rank"], t["optim"], t["error"])
+    t, o = theirs[1]["saved"], ours[1]["saved"]
+    assert o["param_groups"] == t["param_groups"] and list(o["state"]) == list(t["state"])
+    assert max(max_relative_diff(o["state"][i], t["state"][i]) for i in t["state"]) <= 1e-10
+
+
+def zero_with(key: str) -> None:
+    ZeroOptimizer(make_model(0).parameters(), torch.optim.SGD, lr=0.1, **{key: True})
+
+
+@pytest.mark.parametrize("key", ["parameters_as_bucket_view", "overlap_with_ddp"])
+def test_zero_redundancy_options_it_cannot_honour_fail_naming_the_fix(pools, key):
+    with pytest.raises(RankError, match=rf"{key}=True is not implemented here: .*drop it"):
+        pools.run(2, zero_with, key)
+
+
 def unconsolidated_state_dict(to: int | None) -> dict:
     """state_dict() on every rank, before (`to` None) or after consolidate_state_dict(to)."""
     model = make_model(0)
