@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import inspect
 import os
-import re
 from functools import partial
 
 import pytest
@@ -30,6 +29,7 @@ from fsdp import (
     UnitTraffic,
     fsdp_comm_bytes,
     size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
 )
 from fsdp.state import NOT_IMPLEMENTED
 from fsdp.wrap import apply_auto_wrap
@@ -83,6 +83,16 @@ class Unit(nn.Module):
 
 
 @pytest.mark.parametrize("min_num_params", [1, 2_000, 20_000, 10**6])
+@pytest.mark.parametrize("module", [TransformerBlock(get_config("tiny")), RMSNorm(4, 1e-5), nn.Linear(4, 4)])
+def test_transformer_policy_answers_as_torchs(module):
+    """transformer_auto_wrap_policy(module, recurse, nonwrapped_numel, transformer_layer_cls), as
+    torch's: recurse into everything; wrap exactly the listed classes."""
+    for recurse in (True, False):
+        args = dict(module=module, recurse=recurse, nonwrapped_numel=100,
+                    transformer_layer_cls={TransformerBlock})
+        assert transformer_auto_wrap_policy(**args) == torch_wrap.transformer_auto_wrap_policy(**args)
+
+
 def test_auto_wrap_makes_the_units_torchs_recursive_wrap_makes(min_num_params):
     """Same policy, same model: the same modules become units (torch asks the root whether to
     descend too; a size policy below its threshold makes no unit at all)."""
@@ -121,14 +131,27 @@ def test_options_we_cannot_honour_fail_before_any_collective(kwargs, error, mess
         FullyShardedDataParallel(nn.Linear(2, 2), **kwargs)
 
 
-@pytest.mark.parametrize("name, fix", [
-    *((name, re.escape(fix)) for name, fix in NOT_IMPLEMENTED.items()),
+REFUSED_FSDP1 = [  # every public method of torch's FSDP1 not implemented here, and the fix it names
     ("apply", r"call fn on the module before wrapping it, or pass param_init_fn"),
     ("summon_full_params", r"model.full_state_dict\(rank0_only=False\)"),
     ("state_dict_type", r"state_dict\(\) is already FULL_STATE_DICT"),
+    ("set_state_dict_type", r"full_state_dict\(rank0_only=True\) is FullStateDictConfig"),
+    ("get_state_dict_type", r"local_state_dict\(\) is LOCAL_STATE_DICT"),
     ("full_optim_state_dict", r"optim_state_dict\(model, optim\)"),
+    ("sharded_optim_state_dict", r"optim_state_dict\(model, optim\)"),
+    ("shard_full_optim_state_dict", r"optim_state_dict_to_load\(model, optim, osd\)"),
+    ("scatter_full_optim_state_dict", r"optim_state_dict_to_load\(model, optim, osd\)"),
+    ("flatten_sharded_optim_state_dict", r"optim_state_dict_to_load\(model, optim, osd\)"),
+    ("rekey_optim_state_dict", r"torch's current pair"),
     ("register_comm_hook", r"flat_param.py's reduce_grad"),
-])
+]
+
+
+def test_the_refused_fsdp1_methods_are_all_listed():
+    assert sorted(name for name, _ in REFUSED_FSDP1) == sorted(NOT_IMPLEMENTED)
+
+
+@pytest.mark.parametrize("name, fix", REFUSED_FSDP1)
 def test_torchs_fsdp1_methods_not_implemented_here_raise_naming_the_fix(name, fix):
     """Called the torch way, on the class (FSDP.summon_full_params(model)) or on a model, before any
     collective; nn.Module.apply would silently run on freed views, so it is refused too."""
@@ -364,9 +387,9 @@ def torch_way(ours: bool) -> dict:
     FSDP.optim_state_dict_to_load(..., is_named_optimizer, load_directly, group), one more step."""
     import fsdp as ns
     if ours:
-        cls, api, device = FullyShardedDataParallel, ns, {"device_id": None}
+        FSDP, api, device = FullyShardedDataParallel, ns, {"device_id": None}  # torch users' alias
     else:
-        cls, device = torch_fsdp.FullyShardedDataParallel, {"device_id": torch.device("cpu")}
+        FSDP, device = torch_fsdp.FullyShardedDataParallel, {"device_id": torch.device("cpu")}
         api = type("torch_api", (), {"ShardingStrategy": torch_fsdp.ShardingStrategy,
                                      "MixedPrecision": torch_fsdp.MixedPrecision,
                                      "BackwardPrefetch": torch_fsdp.BackwardPrefetch,
@@ -379,7 +402,7 @@ def torch_way(ours: bool) -> dict:
         mp = api.MixedPrecision(param_dtype=f32, reduce_dtype=f32, buffer_dtype=f32,
                                 keep_low_precision_grads=False, cast_forward_inputs=False,
                                 cast_root_forward_inputs=True)
-        model = cls(module=build_model(cfg, seed, f32), process_group=None,
+        model = FSDP(module=build_model(cfg, seed, f32), process_group=None,
                     sharding_strategy=api.ShardingStrategy.FULL_SHARD, cpu_offload=None,
                     auto_wrap_policy=api.ModuleWrapPolicy({TransformerBlock}),
                     backward_prefetch=api.BackwardPrefetch.BACKWARD_PRE, mixed_precision=mp,
@@ -400,13 +423,13 @@ def torch_way(ours: bool) -> dict:
     model, opt = build(0)
     norm = train(model, opt, (0, 1))
     state = model.state_dict(destination=None, prefix="", keep_vars=False)
-    osd = cls.optim_state_dict(model=model, optim=opt, optim_state_dict=opt.state_dict(), group=None)
+    osd = FSDP.optim_state_dict(model=model, optim=opt, optim_state_dict=opt.state_dict(), group=None)
     facts = {"module": type(model.module).__name__, "world": dist.get_world_size(model.process_group),
              "mixed_precision": dataclasses.astuple(model.mixed_precision)[:6]}
     fresh, fresh_opt = build(5)
-    missing = fresh.load_state_dict(state_dict=state, strict=True)
-    cls.optim_state_dict_to_load(model=fresh, optim=fresh_opt, optim_state_dict=osd, is_named_optimizer=False,
-                                 load_directly=True, group=None)
+    missing = fresh.load_state_dict(state_dict=state, strict=True, assign=False)
+    FSDP.optim_state_dict_to_load(model=fresh, optim=fresh_opt, optim_state_dict=osd,
+                                  is_named_optimizer=False, load_directly=True, group=None)
     norm2 = train(fresh, fresh_opt, (2, 0))
     after = fresh.state_dict()
     del model, fresh, opt, fresh_opt

@@ -177,20 +177,20 @@ def torch_way_zero(ours: bool) -> dict:
     keywords, add_param_group(param_group), an lr set through param_groups, step(closure),
     zero_grad(set_to_none=False), consolidate_state_dict(to=1) then state_dict() on rank 1 (and
     the error on rank 0), load_state_dict(state_dict) into a fresh optimizer, one more step."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
     from torch.nn.parallel import DistributedDataParallel
 
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-    cls = ZeroOptimizer if ours else ZeroRedundancyOptimizer
+    ZeroRedundancyOptimizer = ZeroOptimizer if ours else TorchZeRO  # the code below is torch's
     model = make_model(0)
     net = model if ours else DistributedDataParallel(model)
 
     def build():
         decay, no_decay = param_groups(model)
-        opt = cls(params=decay["params"], optimizer_class=torch.optim.AdamW, process_group=None,
-                  parameters_as_bucket_view=False, overlap_with_ddp=False, lr=1e-2, weight_decay=0.1,
-                  foreach=False)
+        opt = ZeroRedundancyOptimizer(params=decay["params"], optimizer_class=torch.optim.AdamW,
+                                      process_group=None, parameters_as_bucket_view=False,
+                                      overlap_with_ddp=False, lr=1e-2, weight_decay=0.1, foreach=False)
         opt.add_param_group(param_group=no_decay)
         return opt
 
