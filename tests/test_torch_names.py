@@ -84,8 +84,8 @@ ENTRY_POINTS: dict[str, str] = {
               ".zero_grad", ".zero_grad(set_to_none)"),
     **entries(F, FSDP1, "", "(auto_wrap_policy)", "(backward_prefetch)", "(cpu_offload)", "(device_id)",
               "(device_mesh)", "(forward_prefetch)", "(ignored_modules)", "(ignored_states)",
-              "(limit_all_gathers)", "(mixed_precision)", "(module)", "(param_init_fn)", "(process_group)",
-              "(sharding_strategy)", "(sync_module_states)", "(use_orig_params)", ".clip_grad_norm_",
+              "(limit_all_gathers)", "(mixed_precision)", "(module)", "(process_group)",
+              "(sharding_strategy)", ".clip_grad_norm_",
               ".clip_grad_norm_(max_norm)", ".clip_grad_norm_(norm_type)", ".forward", ".load_state_dict",
               ".load_state_dict(assign)", ".load_state_dict(state_dict)", ".load_state_dict(strict)",
               ".mixed_precision", ".module", ".no_sync", ".optim_state_dict", ".optim_state_dict(group)",
@@ -105,6 +105,11 @@ ENTRY_POINTS: dict[str, str] = {
               "MixedPrecision(cast_root_forward_inputs)", "MixedPrecision(keep_low_precision_grads)",
               "MixedPrecision(param_dtype)", "MixedPrecision(reduce_dtype)", "ModuleWrapPolicy",
               "ModuleWrapPolicy(module_classes)"),
+    f"{F}(param_init_fn)":  # with a function, not only None: torch's meta-device recipe
+        "tests/test_construction.py::test_fsdp_param_init_fn_peak_is_one_unit_and_values_are_the_references",
+    f"{F}(sync_module_states)": "tests/test_fsdp.py::test_sync_module_states_and_inf_norm_clipping",
+    f"{F}(use_orig_params)":
+        "tests/test_fsdp_drop_in.py::test_users_loop_with_original_parameters_equals_single_device",
     f"{W}.BackwardPrefetch.BACKWARD_POST": PREFETCH,
     f"{W}.ShardingStrategy.HYBRID_SHARD": HYBRID,
     f"{W}.ShardingStrategy.NO_SHARD": SHARDING,
