@@ -82,7 +82,6 @@ class Unit(nn.Module):
         self.module = module
 
 
-@pytest.mark.parametrize("min_num_params", [1, 2_000, 20_000, 10**6])
 @pytest.mark.parametrize("module", [TransformerBlock(get_config("tiny")), RMSNorm(4, 1e-5), nn.Linear(4, 4)])
 def test_transformer_policy_answers_as_torchs(module):
     """transformer_auto_wrap_policy(module, recurse, nonwrapped_numel, transformer_layer_cls), as
@@ -93,6 +92,7 @@ def test_transformer_policy_answers_as_torchs(module):
         assert transformer_auto_wrap_policy(**args) == torch_wrap.transformer_auto_wrap_policy(**args)
 
 
+@pytest.mark.parametrize("min_num_params", [1, 2_000, 20_000, 10**6])
 def test_auto_wrap_makes_the_units_torchs_recursive_wrap_makes(min_num_params):
     """Same policy, same model: the same modules become units (torch asks the root whether to
     descend too; a size policy below its threshold makes no unit at all)."""
