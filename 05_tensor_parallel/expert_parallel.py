@@ -54,7 +54,9 @@ class _AllToAll(torch.autograd.Function):
         return grad_in, None, None, None
 
 
-def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """Rows of x out by `in_splits` to each rank of `group`, `out_splits` rows in from each (autograd:
+    the gradient goes back the same way). Not dist.all_to_all, which takes lists of tensors."""
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
@@ -76,7 +78,7 @@ class AllToAllDispatcher:
         received = recv.view(self.ep, self.local).tolist()  # the host sync (see the docstring)
         in_splits = [sum(counts[q * self.local:(q + 1) * self.local]) for q in range(self.ep)]
         out_splits = [sum(row) for row in received]
-        arrived = all_to_all(rows, out_splits, in_splits, self.group)
+        arrived = all_to_all_rows(rows, out_splits, in_splits, self.group)
         starts, at = [], 0  # where rows (source s, local expert e) begin in `arrived`
         for row in received:
             starts.append([])
@@ -96,7 +98,7 @@ class AllToAllDispatcher:
         in_splits, out_splits, regroup = self._state
         self._state = None
         source_major = expert_outputs[torch.argsort(regroup)]
-        returned = all_to_all(source_major, in_splits, out_splits, self.group)
+        returned = all_to_all_rows(source_major, in_splits, out_splits, self.group)
         return unpermute(returned, plan)
 
 

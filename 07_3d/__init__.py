@@ -12,7 +12,7 @@ The pieces a trainer calls (core files: torch, common's kernel, chapters 04–06
     shards.py          shard_map(chunks, tp_specs, mesh) -> ShardMap: which elements of which
                        reference tensor this rank holds; gather_full (for --check)
     clip.py            clip_grad_norm_3d(shards, max_norm): the true global norm
-    recompute.py       apply_recompute(blocks, "none" | "full" | "selective"), CheckpointWrapper
+    recompute.py       apply_recompute(blocks, "none" | "full" | "selective"), Recomputed
     lr_schedule.py     warmup_cosine(step, total, warmup, min_ratio), warmup_cosine_scheduler
     accounting.py      Rank3D and its closed forms (memory, activations; comm_formulas.py: bytes)
 
@@ -26,10 +26,10 @@ from .clip import clip_grad_norm_3d
 from .lr_schedule import warmup_cosine, warmup_cosine_scheduler
 from .mesh import MeshError, ParallelMesh, build_mesh, group_ranks, mesh_shape
 from .parallelize import Parallel3DConfig, activation_shape, parallelize_3d, rank_inputs
-from .recompute import CheckpointWrapper, apply_recompute
+from .recompute import Recomputed, apply_recompute
 from .shards import HeldPiece, ShardMap, gather_full, shard_map
 
-__all__ = ["CheckpointWrapper", "HeldPiece", "MeshError", "Parallel3DConfig", "ParallelMesh",
+__all__ = ["HeldPiece", "MeshError", "Parallel3DConfig", "ParallelMesh", "Recomputed",
            "ShardMap", "activation_shape", "apply_recompute", "build_mesh", "clip_grad_norm_3d",
            "gather_full", "group_ranks", "mesh_shape", "parallelize_3d", "rank_inputs", "shard_map",
            "warmup_cosine", "warmup_cosine_scheduler"]

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.moe import GATES, MoEFeedForward
+GATES = ("softmax", "sigmoid")  # a MoE router's gates (common/moe.py's route)
 
 
 @dataclass(frozen=True)
@@ -200,6 +200,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
+        if not isinstance(dim, int):  # torch's nn.RMSNorm also takes a shape: it normalizes over all of it
+            raise TypeError(f"RMSNorm(dim={dim!r}, eps): dim is the size of the last dimension, the one "
+                            "normalized; for several, use torch.nn.RMSNorm(normalized_shape, eps)")
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
@@ -257,6 +260,8 @@ def feed_forward(cfg: LlamaConfig, layer_id: int) -> nn.Module:
     """Layer `layer_id`'s SwiGLU: dense (FeedForward), or MoEFeedForward from first_dense_layers on."""
     if not cfg.is_moe_layer(layer_id):
         return FeedForward(cfg.dim, cfg.hidden_dim)
+    from common.moe import MoEFeedForward  # only a MoE model needs common/moe.py (a dense copy: not)
+
     shared = FeedForward(cfg.dim, cfg.expert_hidden_dim) if cfg.n_shared_experts else None
     return MoEFeedForward(cfg.dim, cfg.expert_hidden_dim, cfg.n_experts, cfg.top_k, cfg.gate,
                           cfg.aux_loss_coef, cfg.capacity_factor, shared)

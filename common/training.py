@@ -8,7 +8,7 @@ model and its `parallelize_*`): it fills `Strategy`'s hooks; a pipeline replaces
     step s:  tokens = data.global_batch(s)                       [global_batch, seq_len + 1]
              micro  = rows [r·B/dp, (r+1)·B/dp) of tokens, cut into k = grad_accum micro-batches
              forward_backward(micro):                             timed window, comm meter
-                 set_aux_loss_scale(model, 1/k)                   MoE: each aux loss / k, like the loss
+                 m.aux_loss_scale = 1/k  for m in model.modules()  MoE: each aux loss / k, like the loss
                  for i < k:  with no_sync() unless i = k-1:  (micro_batch_loss(micro[i]) / k).backward()
                  after_backward()
              (check) full_gradients(), full_parameters()          outside both, to rank 0
@@ -70,7 +70,6 @@ from common.dist import (
 from common.memory import ActivationMeter, CudaPeakMeter, model_state_bytes
 from common.mixed_precision import MasterWeights
 from common.model import loss_fn
-from common.moe import set_aux_loss_scale
 from common.profile import profiler_or_nothing
 from common.reference import LockstepReference
 from common.report import comm_convention, emit_report
@@ -116,7 +115,8 @@ class Strategy:
         the device): the gradient of the *global* batch's mean loss. Returns their mean loss as a
         detached 0-dim device tensor (no host sync), or None on a rank without one (a pipeline stage)."""
         k, losses = len(micro_batches), []
-        set_aux_loss_scale(self.model, 1 / k)  # each MoE layer's aux loss is divided like the loss
+        for m in (m for m in self.model.modules() if hasattr(m, "aux_loss_scale")):
+            m.aux_loss_scale = 1 / k  # a module's own loss term (common/moe.py's aux loss) / k too
         for i, tokens in enumerate(micro_batches):
             with self.no_sync() if i < k - 1 else nullcontext():
                 loss = self.micro_batch_loss(tokens) / k

@@ -599,7 +599,7 @@ def refused(kind: str) -> None:
 
 @pytest.mark.parametrize("kind, message", [
     ("device_ids", r"device_ids=\[0\] but the module's parameters are on \['cpu'\]: move the module"),
-    ("static_graph", r"unexpected keyword argument 'static_graph'")])
+    ("static_graph", r"does not implement static_graph: buckets are fixed at construction anyway: drop it")])
 def test_torch_arguments_it_cannot_honour_fail_loudly(pools, kind, message):
     with pytest.raises(RankError, match=message):
         pools.run(1, refused, kind)

@@ -6,6 +6,7 @@ numbers stay right) by the bytes per group."""
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -120,6 +121,58 @@ def test_broken_hsdp_is_rejected(pools, broken):
     print(broken, check_strategy_rejected(pools, NEGATIVE, broken_hsdp, broken))
 
 
+# --- the order: each unit's cross-node all-reduce overlaps the later units' backward ------------------
+
+def hsdp_backward_order(defer: bool) -> list[tuple[str, str]]:
+    """4 linear units on 2 × 2 (torch's default groups, LOCAL_WORLD_SIZE=2), one backward: each
+    unit's reduce-scatter (within the node) and cross-node all-reduce, and the end-of-backward
+    callback, in the order they are posted. `defer` plants the bug the numbers and the bytes cannot
+    see: every all-reduce deferred to the end of backward (no overlap)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 5), nn.Linear(5, 3), nn.Linear(3, 5)).double()
+    previous, os.environ["LOCAL_WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"], "2"
+    try:
+        fsdp = FullyShardedDataParallel(model, sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                                        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    finally:
+        os.environ["LOCAL_WORLD_SIZE"] = previous
+    log: list[tuple[str, str]] = []
+    for h in fsdp._handles():
+        def reduce(grad, sync, h=h, posted=h.reduce_grad):
+            posted(grad, sync)
+            log.append(("reduce-scatter", h.name))
+
+        def replicate(h=h, posted=h.start_replicate):
+            if defer and fsdp._state.in_backward:  # planted: only the end-of-backward callback posts
+                return
+            before = h._replicating
+            posted()
+            if h._replicating and not before:
+                log.append(("all-reduce", h.name))
+
+        h.reduce_grad, h.start_replicate = reduce, replicate
+    finish = fsdp._finish_backward
+    fsdp._finish_backward = lambda: (log.append(("end of backward", "")), finish())[1]
+    fsdp(torch.randn(2, 5, dtype=torch.float64)).sum().backward()
+    return log
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_hsdp_posts_each_cross_node_all_reduce_during_backward(pools, defer):
+    """Unit u's all-reduce is posted after its own reduce-scatter and before the reduce-scatter of
+    the unit two places later in backward (it overlaps that unit's backward: torch issues it right
+    after u's reduce-scatter); only the last unit's waits for the end-of-backward callback. The
+    planted deferral trains the same numbers over the same bytes, and this order check rejects it."""
+    order = [f"{i}" for i in (3, 2, 1, 0)]  # backward order of the units
+    for log in pools.run(4, hsdp_backward_order, defer):
+        at = {event: i for i, event in enumerate(log)}
+        checks = [at[("reduce-scatter", u)] < at[("all-reduce", u)] for u in order]
+        checks += [at[("all-reduce", u)] < at[("reduce-scatter", later)]
+                   for u, later in zip(order, order[2:], strict=False)]
+        checks += [at[("all-reduce", u)] < at[("end of backward", "")] for u in order[:-1]]
+        assert all(checks) != defer, log
+
+
 # --- bytes per group: the formula equals the meter --------------------------------------------------
 
 def _all_reduce_then_reduce_scatter(self, grad: torch.Tensor, sync: bool) -> None:
@@ -133,7 +186,7 @@ def _all_reduce_then_reduce_scatter(self, grad: torch.Tensor, sync: bool) -> Non
         return
     dist.all_reduce(grad, group=self.replicate_group)
     out = grad.new_empty(self.shard_numel)
-    reduce_scatter_single(out, grad, self.group)
+    reduce_scatter_single(out, grad, group=self.group)
     self._reduce, self._replicating = (None, out, grad), True
 
 

@@ -95,7 +95,7 @@ def planted(bug: str | None):
         tensor = torch.tensor
         return mock.patch.object(torch, "tensor",
                                  lambda data, dtype=None, device=None: tensor(data, dtype=dtype))
-    real = ep_module.all_to_all
+    real = ep_module.all_to_all_rows
 
     def buggy(x, out_splits, in_splits, group):
         if bug == "skip" and sum(out_splits) == 0:  # "nothing arrives: skip the exchange"
@@ -105,7 +105,7 @@ def planted(bug: str | None):
         if bug == "swap":
             in_splits = [in_splits[1], in_splits[0], *in_splits[2:]]
         return real(x, out_splits, in_splits, group)
-    return mock.patch.object(ep_module, "all_to_all", buggy)
+    return mock.patch.object(ep_module, "all_to_all_rows", buggy)
 
 
 def record_plans(ep: int, bug: str | None = None) -> dict:

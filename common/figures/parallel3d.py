@@ -349,7 +349,7 @@ FIGURES = [
            draw=recompute_draw, sizes={"b": 2, "s": 64, "model": "llama2-70b", "seq_len": 4096, "tp": 8},
            sources=(Source("parallel3d.memory_model:layer_activation_bytes", lambda x: 1.1 * x),
                     Source("parallel3d.recompute:recomputed", lambda part: part.args[0]),
-                    Source("parallel3d.recompute:CheckpointWrapper", lambda w: w._checkpoint_wrapped_module),
+                    Source("parallel3d.recompute:Recomputed", lambda w: w._checkpoint_wrapped_module),
                     Source("parallel3d.planner.pricing:recompute_fraction", lambda f: f + 0.05)),
            alt="saved activations against extra compute for none, selective and full recomputation"),
 ]
