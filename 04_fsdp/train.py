@@ -38,6 +38,7 @@ from common.cli import (
 )
 from common.dist import DistContext, pick_backend
 from common.memory import ActivationMeter, model_state_bytes
+from common.mesh import MeshShape, build_mesh
 from common.model import TransformerBlock, build_model, initializer
 from common.optimizer_bytes import optimizer_state_bytes
 from common.reference import make_optimizer
@@ -50,7 +51,6 @@ from fsdp import (
     ShardingStrategy,
     fsdp_comm_bytes,
     fsdp_comm_bytes_by_group,
-    node_groups,
     transformer_auto_wrap_policy,
     unit_traffic,
 )
@@ -119,7 +119,11 @@ def hsdp_groups(args: argparse.Namespace, world_size: int):
     """(shard group, replicate group) for --nodes N (a node = world/N consecutive ranks), else None
     (FSDP's default: LOCAL_WORLD_SIZE ranks per node). A collective: every rank makes every group."""
     hybrid = ShardingStrategy[args.sharding_strategy] in HYBRID_STRATEGIES
-    return node_groups(world_size // args.nodes) if hybrid and args.nodes else None
+    if not (hybrid and args.nodes):
+        return None
+    mesh = build_mesh(MeshShape(dp_replicate=args.nodes, dp_shard=world_size // args.nodes),
+                      ("dp_shard", "dp_replicate"))
+    return mesh.group("dp_shard"), mesh.group("dp_replicate")
 
 
 def wrap_llama(model: nn.Module, args: argparse.Namespace, process_group=None, device=None,

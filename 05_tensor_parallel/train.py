@@ -36,6 +36,7 @@ from common.clip import clip_grads_by_global_norm_
 from common.data import split_inputs_targets
 from common.dist import DistContext
 from common.memory import optimizer_state_tensors, storage_bytes
+from common.mesh import MeshShape, build_mesh
 from common.mixed_precision import MasterWeights
 from common.model import build_model, initializer, materialize
 from common.optimizer_bytes import optimizer_state_bytes
@@ -114,25 +115,6 @@ def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
     return batch_layout(args.global_batch, world_size // (tp * cp), args.micro_batch, args.grad_accum)
 
 
-def mesh_groups(rank: int, world: int, tp: int, cp: int = 1):
-    """(TP group, CP group, gradient group) of this rank, rank = (d·cp + c)·tp + i: TP =
-    consecutive ranks, CP = the same replica d and TP index i, gradients = the same TP index i
-    over dp × cp. Every rank creates every group, in the same order (new_group is collective)."""
-    tp_group = cp_group = grad_group = None
-    for start in range(0, world, tp):
-        group = dist.new_group(list(range(start, start + tp)))
-        tp_group = group if rank // tp == start // tp else tp_group
-    for d in range(world // (tp * cp)):
-        for i in range(tp):
-            ranks = [(d * cp + c) * tp + i for c in range(cp)]
-            group = dist.new_group(ranks)
-            cp_group = group if rank in ranks else cp_group
-    for i in range(tp):
-        group = dist.new_group(list(range(i, world, tp)))
-        grad_group = group if rank % tp == i else grad_group
-    return tp_group, cp_group, grad_group
-
-
 class TensorParallelStrategy(Strategy):
     """parallelize_llama on a TP group of `tp` ranks, gradient averaging over the DP group after
     the last micro-batch. In mixed precision the TP model computes in bf16, each micro-batch's
@@ -145,8 +127,10 @@ class TensorParallelStrategy(Strategy):
         self.tp = ctx.world_size // self.cp if args.tp is None else args.tp
         self.dp_size, self.dp_rank = ctx.world_size // (self.tp * self.cp), ctx.rank // (self.tp * self.cp)
         self.cp_rank = ctx.rank // self.tp % self.cp
-        groups = mesh_groups(ctx.rank, ctx.world_size, self.tp, self.cp)
-        self.tp_group, self.cp_group, self.grad_group = groups
+        # rank = (d·cp + c)·tp + i: TP consecutive, CP the same replica d and TP index i,
+        # gradients averaged over the dp × cp ranks of TP index i (common/mesh.py)
+        grid = build_mesh(MeshShape(dp_shard=self.dp_size, cp=self.cp, tp=self.tp), ("tp", "cp", "dp_cp"))
+        self.tp_group, self.cp_group, self.grad_group = grid.tp_group, grid.cp_group, grid.dp_cp_group
         self.sequence_parallel = args.sequence_parallel
         # split the model on the meta device, then draw only this rank's slices onto its device
         self.model = build_model(cfg, dtype=torch.float32 if self.mixed else DTYPES[args.dtype],

@@ -25,6 +25,7 @@ from common.clip import clip_grads_by_global_norm_
 from common.collectives import all_gather_single
 from common.dist import DistContext
 from common.memory import optimizer_state_tensors, storage_bytes
+from common.mesh import MeshShape, build_mesh
 from common.mixed_precision import MasterWeights
 from common.model import build_model, initializer, materialize
 from common.moe import RoutingPlan
@@ -58,18 +59,6 @@ def validate_moe(args: argparse.Namespace, world_size: int) -> BatchLayout:
     return batch_layout(args.global_batch, world_size, args.micro_batch, args.grad_accum)
 
 
-def expert_groups(rank: int, world: int, ep: int):
-    """(EP group [r - i, r - i + ep), replica group {i, i + ep, …}: same experts), i = r mod ep."""
-    ep_group = replica_group = None
-    for start in range(0, world, ep):
-        group = dist.new_group(list(range(start, start + ep)))
-        ep_group = group if rank // ep == start // ep else ep_group
-    for i in range(ep):
-        group = dist.new_group(list(range(i, world, ep)))
-        replica_group = group if rank % ep == i else replica_group
-    return ep_group, replica_group
-
-
 class CountingDispatcher(AllToAllDispatcher):
     """The all-to-all dispatcher, logging per dispatch from the routing counts (A, B, rows here)."""
 
@@ -93,7 +82,9 @@ class ExpertParallelStrategy(Strategy):
         cfg, self.mixed = model_config(args), args.mixed_precision == "bf16"
         self.world, self.ep = ctx.world_size, ctx.world_size if args.ep is None else args.ep
         self.dp_size, self.dp_rank = ctx.world_size, ctx.rank
-        self.ep_group, self.replica_group = expert_groups(ctx.rank, self.world, self.ep)
+        # EP group [r - i, r - i + ep), replica group {i, i + ep, …} (same experts), i = r mod ep
+        grid = build_mesh(MeshShape(dp_shard=self.world, ep=self.ep), ("ep", "expert_dp"))
+        self.ep_group, self.replica_group = grid.ep_group, grid.group("expert_dp")
         self.model = build_model(cfg, dtype=torch.float32 if self.mixed else DTYPES[args.dtype],
                                  device="meta")
         self.layers = expert_parallel(self.model, self.ep_group)

@@ -45,6 +45,7 @@ from common.cli import (
 from common.data import ByteCorpus
 from common.dist import DistContext
 from common.memory import ActivationMeter
+from common.mesh import MeshError, MeshShape, build_mesh, mesh_shape
 from common.model import LlamaConfig, build_model
 from common.reference import make_optimizer
 from common.training import Strategy, run_main
@@ -64,7 +65,6 @@ from parallel3d.checkpoint.trainer import (
 from parallel3d.clip import clip_grad_norm_3d
 from parallel3d.comm_formulas import comm_bytes_per_step, cp_bytes_per_step
 from parallel3d.lr_schedule import warmup_cosine_scheduler
-from parallel3d.mesh import Coordinates, MeshError, build_mesh, mesh_shape
 from parallel3d.parallelize import (
     FLAT_STRATEGIES,
     Parallel3DConfig,
@@ -168,7 +168,7 @@ class Train3DConfig:
     `args` stays as the user typed it."""
 
     model: LlamaConfig
-    mesh: Coordinates  # dp, pp, cp, tp sizes
+    mesh: MeshShape
     layout: BatchLayout  # grad_accum = the schedule's m
     parallel: Parallel3DConfig
     master_dtype: torch.dtype  # the shards and the optimizer (float32 under bf16 mixed precision)
@@ -202,9 +202,10 @@ def validate(args: argparse.Namespace, world_size: int) -> Train3DConfig:
     if tp is None and pp is None and args.dp is None and world_size % (4 * max(cp, 1)) == 0:
         tp, pp = 2, 2  # the demo's default: 8 ranks → dp 2 × pp 2 × tp 2 (--cp 2: dp 1)
     try:
-        dp, pp, cp, tp = mesh_shape(world_size, tp or 1, pp or 1, args.dp, cp)
+        mesh = mesh_shape(world_size, tp or 1, pp or 1, args.dp, cp)
     except MeshError as error:
         raise ConfigError(str(error)) from None
+    dp, pp, cp, tp = mesh.dp, mesh.pp, mesh.cp, mesh.tp
     cfg = model_config(args)
     validate_context_parallel(args, cp)
     require(args.activation_checkpointing in MODES, f"--activation-checkpointing "
@@ -241,7 +242,7 @@ def validate(args: argparse.Namespace, world_size: int) -> Train3DConfig:
     parallel = Parallel3DConfig(args.schedule, v, args.sequence_parallel, args.activation_checkpointing,
                                 args.sharding_strategy, args.mixed_precision, args.seed)
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10)
-    return Train3DConfig(cfg, Coordinates(dp, pp, cp, tp), layout, parallel, master,
+    return Train3DConfig(cfg, mesh, layout, parallel, master,
                          torch.bfloat16 if mixed else master, args.optimizer, args.lr, args.steps,
                          args.global_batch, args.seq_len, args.clip_grad, lr_schedule, warmup,
                          args.min_lr_ratio, checkpoint)
@@ -278,9 +279,8 @@ class Parallel3DStrategy(Strategy):
     Check: full tensors from the ShardMap. The formulas are accounting.py's."""
 
     def __init__(self, config: Train3DConfig, ctx: DistContext):
-        dp, pp, cp, tp = config.mesh
         self.config, self.device, self.clip_grad = config, ctx.device, config.clip_grad
-        self.device_mesh = mesh = build_mesh(tp, pp, dp, cp)
+        self.device_mesh = mesh = build_mesh(config.mesh, ("tp", "cp", "dp", "dp_cp", "pp"))
         meta = build_model(config.model, dtype=config.master_dtype, device="meta")
         self.chunks, tp_specs = parallelize_3d(meta, mesh, config.parallel, ctx.device)
         self.shards = shard_map(self.chunks, tp_specs, mesh)  # which reference elements it holds
@@ -289,7 +289,7 @@ class Parallel3DStrategy(Strategy):
         self.scheduler = (warmup_cosine_scheduler(self.optimizer, config.steps, config.warmup_steps,
                                                   config.min_lr_ratio)
                           if config.lr_schedule == "cosine" else None)
-        self.schedule = make_schedule(config.parallel.schedule, pp, config.grad_accum, config.parallel.v)
+        self.schedule = make_schedule(config.parallel.schedule, mesh.pp, config.grad_accum, config.parallel.v)
         self.head = self.chunks[-1].module.output  # the vocab-parallel head on the last stage, else None
         shape = activation_shape(config.model, mesh, config.parallel, config.micro_batch, config.seq_len)
         self.executor = PipelineExecutor(self.schedule, mesh.pp_rank, self.chunks, self.loss, shape,

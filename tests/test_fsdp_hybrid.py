@@ -20,6 +20,7 @@ from common.clip import clip_grads_by_global_norm_
 from common.collectives import reduce_scatter_single
 from common.comm import CommMeter
 from common.dist import init_distributed
+from common.mesh import MeshShape, build_mesh
 from common.model import get_config
 from fsdp import (
     FullyShardedDataParallel,
@@ -28,7 +29,6 @@ from fsdp import (
     UnitTraffic,
     fsdp_comm_bytes,
     fsdp_comm_bytes_by_group,
-    node_groups,
     unit_traffic,
 )
 from fsdp import train as fsdp_train
@@ -250,6 +250,14 @@ def test_bad_hsdp_flags_fail_before_any_collective(monkeypatch, argv, env, messa
         fsdp_train.validate(fsdp_train.parse_args(argv), 4)
 
 
+def node_groups(per_node: int) -> tuple:
+    """torch's default HSDP groups (a node = per_node consecutive ranks), from the kernel's mesh."""
+    world = dist.get_world_size()
+    mesh = build_mesh(MeshShape(dp_replicate=world // per_node, dp_shard=per_node),
+                      ("dp_shard", "dp_replicate"))
+    return mesh.group("dp_shard"), mesh.group("dp_replicate")
+
+
 def wrap_with_one_group_twice() -> None:
     shard, _ = node_groups(2)
     FullyShardedDataParallel(nn.Sequential(nn.Linear(3, 3)), process_group=(shard, shard),
@@ -257,8 +265,8 @@ def wrap_with_one_group_twice() -> None:
 
 
 def test_overlapping_groups_are_refused_on_every_rank_before_any_collective(pools):
-    with pytest.raises(RankError, match=r"replicate_group \[0, 1\]\) must share only this rank .*node_groups"
-                       ) as info:
+    with pytest.raises(RankError, match=r"replicate_group \[0, 1\]\) must share only this rank "
+                                        r".*build_mesh\(MeshShape\(dp_replicate") as info:
         pools.run(4, wrap_with_one_group_twice)
     assert sorted(info.value.errors) == [0, 1, 2, 3]
     pools.run(4, dist.barrier)  # no rank was left inside a collective
