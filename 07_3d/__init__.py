@@ -15,7 +15,8 @@ The pieces a trainer calls (core files: torch, common's kernel, chapters 04–06
     lr_schedule.py     warmup_cosine(step, total, warmup, min_ratio), warmup_cosine_scheduler
     accounting.py      Rank3D and its closed forms (memory, activations; comm_formulas.py: bytes)
 
-The demo: train.py (validate → Train3DConfig, Parallel3DStrategy on the shared loop).
+The demo: train.py (validate → the run, Train3DOptions its options; Parallel3DStrategy on the
+shared loop).
 The planner (use common/): memory_model.py (per-GPU memory and traffic of a layout) and
 planner/ (`python -m parallel3d.planner --model llama2-70b --gpus 64 --gpu-mem-gb 80`).
 Checkpoints: the subpackage checkpoint/ (parallel3d.checkpoint, its lesson is its README.md).

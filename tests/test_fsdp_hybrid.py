@@ -39,7 +39,7 @@ from tests.equivalence import (
     check_strategy,
     check_strategy_rejected,
     data_parallel_specs,
-    spec_args,
+    spec_run,
     with_spec,
 )
 from tests.harness import RankError
@@ -52,9 +52,9 @@ THOROUGH = PROFILE == "thorough"  # ci: one 4-rank pool, 2×2, the fewest exampl
 def hsdp_strategy(spec: TrainSpec, sharding: str, shard_size: int, no_sync: bool = False,
                   cls: type[FSDPStrategy] = FSDPStrategy) -> FSDPStrategy:
     """Built as train.py builds it for `--nodes world/s`: nodes of s consecutive ranks."""
-    args = spec_args(spec, sharding_strategy=sharding, no_sync=no_sync, no_prefetch=False, impl="ours",
-                     nodes=spec.world_size // shard_size)
-    return cls(args, init_distributed())
+    run = spec_run(spec, fsdp_train.validate, sharding_strategy=sharding, no_sync=no_sync, no_prefetch=False,
+                   impl="ours", nodes=spec.world_size // shard_size)
+    return cls(run, init_distributed())
 
 
 # --- the same numbers as one device -----------------------------------------------------------------
@@ -206,9 +206,9 @@ def test_hsdp_comm_bytes_in_closed_form():
 def train_cli(argv: list[str]) -> dict:
     from common.training import train
     args = fsdp_train.parse_args(argv)
-    layout = fsdp_train.validate(args, dist.get_world_size())
+    run = fsdp_train.validate(args, dist.get_world_size())
     ctx = init_distributed()
-    return train(args, ctx, fsdp_train.build(args, ctx, layout), layout, chapter=4)
+    return train(run, ctx, fsdp_train.build(run, ctx), chapter=4)
 
 
 def test_train_hsdp_check_passes_and_reports_bytes_per_group(pools):

@@ -17,9 +17,9 @@ from tests.harness import RankError
 
 def train_cli(argv: list[str]) -> dict:
     args = tp_train.parse_args(argv)
-    layout = tp_train.validate(args, dist.get_world_size())
+    run = tp_train.validate(args, dist.get_world_size())
     ctx = init_distributed()
-    return train(args, ctx, tp_train.build(args, ctx, layout), layout, 5)
+    return train(run, ctx, tp_train.build(run, ctx), 5)
 
 
 @pytest.mark.parametrize("world, flags", [(2, ["--ep", "2", "--clip-grad", "0.5", "--grad-accum", "2"]),
@@ -52,9 +52,9 @@ def validate_argv(argv: list[str], n_experts: int | None = None):
 
 @pytest.mark.parametrize("argv, n_experts, message", [
     (["--model", "tiny-moe", "--ep", "3"], None,
-     r"--ep 3 does not divide the world of 4 ranks .*: use one of --ep 1, 2, 4"),
+     r"--model tiny-moe: --ep 3 does not divide the 4 ranks it borrows .*: use one of --ep 1, 2, 4"),
     (["--model", "tiny-moe", "--ep", "4"], 6,
-     r"--ep 4 does not divide the 6 experts of --model tiny-moe .*: use one of --ep 1, 2$"),
+     r"--ep 4 does not divide the 6 experts .*: use one of --ep 1, 2$"),
     (["--model", "tiny-moe", "--tp", "2"], None,
      r"mixture-of-experts model: .* not --tp 2 --cp 1 .*use --tp 1 --cp 1"),
     (["--model", "tiny-moe", "--cp", "2"], None, r"not --tp None --cp 2 .*use --tp 1 --cp 1"),
