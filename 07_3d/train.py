@@ -30,7 +30,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from common.cli import (
@@ -47,6 +46,7 @@ from common.dist import DistContext
 from common.memory import ActivationMeter
 from common.mesh import MeshError, build_mesh, mesh_shape
 from common.model import LlamaConfig, build_model
+from common.patch import patch_dist
 from common.reference import make_optimizer
 from common.run import Run, resolve_run
 from common.training import Strategy, run_main
@@ -367,21 +367,15 @@ def mfu(cfg: LlamaConfig, seq_len: int, tokens: int, seconds: float, world: int,
 def counting_sends(group, sent: list[float]) -> Iterator[None]:
     """Add to sent[0] the bytes of every isend that `dist.batch_isend_irecv` posts on `group`
     while inside (the CP ring's, apart from the pipeline's on its own group); None: nothing."""
-    if group is None:
-        yield
-        return
-    post = dist.batch_isend_irecv
+    def counting(post):
+        def counted(ops):
+            sent[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops
+                           if op.group is group and getattr(op.op, "__name__", "") == "isend")
+            return post(ops)
+        return counted
 
-    def counted(ops):
-        sent[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops
-                       if op.group is group and getattr(op.op, "__name__", "") == "isend")
-        return post(ops)
-
-    dist.batch_isend_irecv = counted
-    try:
+    with patch_dist({} if group is None else {"batch_isend_irecv": counting}):
         yield
-    finally:
-        dist.batch_isend_irecv = post
 
 
 def build(run: Run, ctx: DistContext) -> Strategy:

@@ -40,7 +40,7 @@ PACKAGES: dict[str, str] = dict(re.findall(
 FOLDERS = {folder: name for name, folder in PACKAGES.items()}
 
 KERNEL = ("common/clip.py", "common/collectives.py", "common/mesh.py", "common/model.py",
-          "common/moe.py", "common/optimizer_bytes.py", "common/p2p_plan.py")
+          "common/moe.py", "common/optimizer_bytes.py", "common/p2p_plan.py", "common/patch.py")
 COMPOSES = {"parallel3d": ("fsdp", "tensor_parallel", "pipeline")}
 OPTIONAL = {"matplotlib": "06's timeline plots", "safetensors": "07's Hugging Face export"}
 NOT_CORE = re.compile(  # the before-stop hook's exemption pattern

@@ -42,7 +42,7 @@ BUDGET_S: dict[str, tuple[tuple[str, ...], float]] = {
     "common (model, harness, loop)": (("test_common.py", "test_model.py", "test_harness.py",
                                       "test_gpu_check.py", "test_training_loop.py",
                                       "test_construction.py", "test_copy_sets.py", "test_figures.py",
-                                      "test_clip.py", "test_mesh.py"), 62),
+                                      "test_clip.py", "test_mesh.py", "test_patch.py"), 62),
     "01 data parallel": (("test_data_parallel*.py", "test_ddp_mechanics.py"), 40),
     "02 ring all-reduce": (("test_ring_allreduce*.py",), 58),
     "03 ZeRO": (("test_zero*.py",), 47),

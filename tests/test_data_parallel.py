@@ -22,6 +22,7 @@ from common.data import local_micro_batches, split_inputs_targets
 from common.dist import init_distributed
 from common.forkrun import torchrun_forked
 from common.model import build_model, get_config, loss_fn
+from common.patch import patch_dist
 from common.reference import TOLERANCE
 from common.run import Run
 from common.training import build_and_train
@@ -130,20 +131,19 @@ def record_overlap(bucket_cap_mb: float) -> list[str]:
     """Order of events in one backward: bucket launches vs the last gradient (the embedding's)."""
     model = build_model(get_config("tiny", n_layers=4), seed=0)
     dp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
-    events, all_reduce = [], dist.all_reduce
+    events = []
 
-    def launching(*args, **kwargs):
-        events.append("launch")
-        return all_reduce(*args, **kwargs)
+    def launching(all_reduce):
+        def launch(*args, **kwargs):
+            events.append("launch")
+            return all_reduce(*args, **kwargs)
+        return launch
 
     model.tok_embeddings.weight.register_post_accumulate_grad_hook(lambda p: events.append("last grad"))
-    dist.all_reduce = launching
-    try:
+    with patch_dist({"all_reduce": launching}):
         tokens = torch.randint(0, 256, (2, 9))
         loss_fn(dp(tokens[:, :-1]), tokens[:, 1:]).backward()
         dp.finish()
-    finally:
-        dist.all_reduce = all_reduce
     return events
 
 

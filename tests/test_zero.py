@@ -18,6 +18,7 @@ from common.comm import CommMeter
 from common.dist import init_distributed
 from common.forkrun import torchrun_forked
 from common.model import TransformerBlock, build_model, get_config
+from common.patch import patch_dist
 from common.run import Run
 from common.training import rank_micro_batches, train
 from tests.equivalence import (
@@ -263,20 +264,17 @@ def gathered_units(stage: int) -> dict:
         mod.register_forward_pre_hook(lambda *args: seen.append(count()))
     first = engine.groups[-1 if stage < 3 else 0].params[0]  # the last gradient backward produces
     first.register_post_accumulate_grad_hook(lambda p: events.append("last grad"))
-    reduce_scatter = dist.reduce_scatter_single if hasattr(dist, "reduce_scatter_single") else None
-    name = "reduce_scatter_single" if reduce_scatter else "reduce_scatter_tensor"
-    original = getattr(dist, name)
+    name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
-    def launching(*args, **kwargs):
-        events.append("launch")
-        return original(*args, **kwargs)
+    def launching(original):
+        def launch(*args, **kwargs):
+            events.append("launch")
+            return original(*args, **kwargs)
+        return launch
 
-    setattr(dist, name, launching)
-    try:
+    with patch_dist({name: launching}):
         micro = spec.data().global_batch(0, 4).chunk(2)[dist.get_rank()].split(2)
         strategy.forward_backward(list(micro))
-    finally:
-        setattr(dist, name, original)
     after = count()
     strategy.step()
     return {"during": max(seen, default=0), "after_backward": after, "after_step": count(),
