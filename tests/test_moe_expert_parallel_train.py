@@ -64,3 +64,21 @@ def test_bad_input_fails_on_every_rank_before_any_collective(pools, argv, n_expe
     with pytest.raises(RankError, match=message) as info:
         pools.run(4, validate_argv, argv, n_experts)
     assert sorted(info.value.errors) == [0, 1, 2, 3]
+
+
+def expert_groups_of_the_strategy(argv: list[str]) -> dict[str, list[int]]:
+    strategy = tp_train.build(tp_train.validate(tp_train.parse_args(argv), dist.get_world_size()),
+                              init_distributed())
+    ranks = dist.get_process_group_ranks
+    return {"ep": ranks(strategy.ep_group), "dispatch": ranks(strategy.layers[0].dispatcher.group),
+            "replicas": ranks(strategy.replica_group)}
+
+
+def test_the_all_to_alls_run_over_consecutive_ranks(pools):
+    """EP groups strided across the replica train the same numbers while every all-to-all crosses
+    nodes: only the ranks say it. On 4 ranks, --ep 2: the all-to-alls over {0,1} and {2,3} (one
+    node of 2), the expert gradients averaged over {0,2} and {1,3}."""
+    argv = ["--model", "tiny-moe", "--ep", "2", "--data", "synthetic", "--global-batch", "4"]
+    for rank, groups in enumerate(pools.run(4, expert_groups_of_the_strategy, argv)):
+        pair = [rank - rank % 2, rank - rank % 2 + 1]
+        assert groups == {"ep": pair, "dispatch": pair, "replicas": [rank % 2, rank % 2 + 2]}, (rank, groups)
