@@ -30,7 +30,8 @@ tensor-parallel blocks over a DP group):
       device_mesh=None, *, shard_init_fn=None)
     any module whose forward reads its weights as attributes (module.weight); process_group may be
     a sub-group; for HYBRID_SHARD / _HYBRID_SHARD_ZERO2 (shard_group, replicate_group), torch's
-    (intra-node, inter-node) pair (None: torch's default, fsdp.node_groups(LOCAL_WORLD_SIZE)).
+    (intra-node, inter-node) pair (None: torch's default, nodes of LOCAL_WORLD_SIZE ranks, built
+    by the kernel's mesh in fsdp.wrap.process_groups).
     Refused, with the fix: an offloading cpu_offload, ignored_modules/_states, device_mesh.
     limit_all_gathers is moot: at most one unit is prefetched ahead.
     A meta-device module, torch's way: each unit calls param_init_fn(module) on its modules (or

@@ -102,10 +102,12 @@ class AllToAllDispatcher:
         return unpermute(returned, plan)
 
 
-def expert_parallel(model: nn.Module, group) -> list[MoEFeedForward]:
+def expert_parallel(model: nn.Module, group, dispatcher: type[AllToAllDispatcher] = AllToAllDispatcher
+                    ) -> list[MoEFeedForward]:
     """Every MoE layer of `model` (a model, a block or a layer) keeps only this rank's experts
-    [r·E/ep, (r+1)·E/ep) and dispatches by all-to-all over `group`, in place. Checks before any
-    collective: E divisible by the group's size."""
+    [r·E/ep, (r+1)·E/ep) and dispatches by all-to-all over `group` (a `dispatcher`(group, E):
+    AllToAllDispatcher or a subclass), in place. Checks before any collective: E divisible by the
+    group's size."""
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     layers = [model] if isinstance(model, MoEFeedForward) else moe_layers(model)
     for layer in layers:
@@ -122,5 +124,5 @@ def expert_parallel(model: nn.Module, group) -> list[MoEFeedForward]:
             for name in ("w1", "w2", "w3"):
                 getattr(local, name).copy_(getattr(full, name)[lo:hi])
         layer.experts = local
-        layer.dispatcher = AllToAllDispatcher(group, E)
+        layer.dispatcher = dispatcher(group, E)
     return layers

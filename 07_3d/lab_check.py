@@ -22,11 +22,11 @@ import torch.distributed as dist
 from common.data import SyntheticTokens
 from common.diagnosis import Finding, explain, near
 from common.grader import Property
+from common.mesh import build_mesh, mesh_shape
 from common.model import LlamaConfig, build_model, initializer
 from common.reference import SCALE_FLOOR, make_reference
 from fsdp import FSDP
 from parallel3d.checkpoint.reshard import extract
-from parallel3d.mesh import build_mesh
 from parallel3d.parallelize import Parallel3DConfig, parallelize_3d, rank_inputs
 from parallel3d.shards import shard_map
 from pipeline import PipelineExecutor, make_schedule
@@ -70,7 +70,7 @@ def _to_rank0(obj) -> list | None:
 
 
 def _build(lab, dp: int, pp: int, tp: int, cp: int, v: int):
-    mesh = build_mesh(tp=tp, pp=pp, dp=dp, cp=cp)
+    mesh = build_mesh(mesh_shape(dist.get_world_size(), tp=tp, pp=pp, dp=dp, cp=cp))
     model = build_model(CFG, dtype=torch.float64, device="meta")
     out = _call(lab.parallelize, model, mesh, CPU, seed=SEED, virtual_stages=v)
     chunks, specs = out if isinstance(out, tuple) and len(out) == 2 else (out, None)

@@ -42,8 +42,8 @@ PACKAGES: dict[str, str] = dict(re.findall(
     re.M))
 FOLDERS = {folder: name for name, folder in PACKAGES.items()}
 
-KERNEL = ("common/clip.py", "common/collectives.py", "common/model.py", "common/moe.py",
-          "common/optimizer_bytes.py", "common/p2p_plan.py")
+KERNEL = ("common/clip.py", "common/collectives.py", "common/mesh.py", "common/model.py",
+          "common/moe.py", "common/optimizer_bytes.py", "common/p2p_plan.py", "common/patch.py")
 OPTIONAL_KERNEL = {"common/moe.py": "a mixture-of-experts model (n_experts > 0)"}
 COMPOSES = {"parallel3d": ("fsdp", "tensor_parallel", "pipeline")}
 OPTIONAL = {"matplotlib": "06's timeline plots", "safetensors": "07's Hugging Face export"}
@@ -80,7 +80,7 @@ COPY_SETS: dict[str, CopySet] = {
         "04_fsdp/README.md", "from fsdp.fully_sharded import FullyShardedDataParallel",
         ("04_fsdp/fully_sharded.py",),
         ("04_fsdp/flat_param.py", "04_fsdp/fully_sharded.py", "04_fsdp/state.py", "04_fsdp/wrap.py",
-         "common/clip.py", "common/collectives.py")),
+         "common/clip.py", "common/collectives.py", "common/mesh.py")),
     "TP layers and plan": CopySet(
         "05_tensor_parallel/README.md",
         "from tensor_parallel.parallelize import parallelize_llama, vocab_parallel_loss",
@@ -101,15 +101,15 @@ COPY_SETS: dict[str, CopySet] = {
     "parallelize_3d": CopySet(
         "07_3d/README.md",
         "from parallel3d.parallelize import parallelize_3d; from parallel3d.clip import clip_grad_norm_3d",
-        ("07_3d/parallelize.py", "07_3d/clip.py", "07_3d/mesh.py", "06_pipeline/executor.py"),
+        ("07_3d/parallelize.py", "07_3d/clip.py", "common/mesh.py", "06_pipeline/executor.py"),
         ("04_fsdp/flat_param.py", "04_fsdp/fully_sharded.py", "04_fsdp/state.py", "04_fsdp/wrap.py",
          "05_tensor_parallel/context_parallel.py", "05_tensor_parallel/cross_entropy.py",
          "05_tensor_parallel/layers.py", "05_tensor_parallel/mappings.py",
          "05_tensor_parallel/parallelize.py", "05_tensor_parallel/sharding.py",
          "06_pipeline/backward_split.py", "06_pipeline/executor.py", "06_pipeline/p2p.py",
          "06_pipeline/schedules.py", "06_pipeline/stage.py", "06_pipeline/timeline.py",
-         "07_3d/checkpoint/reshard.py", "07_3d/clip.py", "07_3d/mesh.py", "07_3d/parallelize.py",
-         "07_3d/recompute.py", "07_3d/shards.py", "common/clip.py", "common/collectives.py",
+         "07_3d/checkpoint/reshard.py", "07_3d/clip.py", "07_3d/parallelize.py", "07_3d/recompute.py",
+         "07_3d/shards.py", "common/clip.py", "common/collectives.py", "common/mesh.py",
          "common/model.py")),
     "checkpoint save/load": CopySet(
         "07_3d/checkpoint/README.md",

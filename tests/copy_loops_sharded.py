@@ -144,12 +144,12 @@ def pipeline(M, model, ref, args):
 
 
 def parallel_3d(M, model, ref, args):
-    mod = {n: importlib.import_module(n) for n in ("parallel3d.mesh", "parallel3d.parallelize",
+    mod = {n: importlib.import_module(n) for n in ("common.mesh", "parallel3d.parallelize",
                                                   "parallel3d.shards", "parallel3d.clip",
                                                   "pipeline.executor", "pipeline.schedules",
                                                   "tensor_parallel.parallelize")}
     P3, device, micro, m = mod["parallel3d.parallelize"], torch.device("cpu"), 1, 2
-    mesh = mod["parallel3d.mesh"].build_mesh(tp=2, pp=2)  # dp = 1 on 4 ranks
+    mesh = mod["common.mesh"].build_mesh(mod["common.mesh"].mesh_shape(4, tp=2, pp=2))  # dp = 1
 
     def build(seed: int):
         config = P3.Parallel3DConfig(schedule="1f1b", sequence_parallel=True, seed=seed)

@@ -22,8 +22,10 @@ from common.data import local_micro_batches, split_inputs_targets
 from common.dist import init_distributed
 from common.forkrun import torchrun_forked
 from common.model import build_model, get_config, loss_fn
+from common.patch import patch_dist
 from common.reference import TOLERANCE
-from common.training import run
+from common.run import Run
+from common.training import build_and_train
 from data_parallel import DistributedDataParallel, assign_buckets
 from data_parallel import train as dp_train
 from tests.data_parallel_runs import SumNotAverageDDP, run_data_parallel, wrap
@@ -129,20 +131,19 @@ def record_overlap(bucket_cap_mb: float) -> list[str]:
     """Order of events in one backward: bucket launches vs the last gradient (the embedding's)."""
     model = build_model(get_config("tiny", n_layers=4), seed=0)
     dp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
-    events, all_reduce = [], dist.all_reduce
+    events = []
 
-    def launching(*args, **kwargs):
-        events.append("launch")
-        return all_reduce(*args, **kwargs)
+    def launching(all_reduce):
+        def launch(*args, **kwargs):
+            events.append("launch")
+            return all_reduce(*args, **kwargs)
+        return launch
 
     model.tok_embeddings.weight.register_post_accumulate_grad_hook(lambda p: events.append("last grad"))
-    dist.all_reduce = launching
-    try:
+    with patch_dist({"all_reduce": launching}):
         tokens = torch.randint(0, 256, (2, 9))
         loss_fn(dp(tokens[:, :-1]), tokens[:, 1:]).backward()
         dp.finish()
-    finally:
-        dist.all_reduce = all_reduce
     return events
 
 
@@ -188,7 +189,7 @@ def test_batch_layout_rejects_bad_batches_naming_values_and_fix():
         batch_layout(16, 4, 2, 3)
 
 
-def validate_argv(argv: list[str]) -> tuple[int, int]:
+def validate_argv(argv: list[str]) -> Run:
     return dp_train.validate(dp_train.parse_args(argv), dist.get_world_size())
 
 
@@ -211,14 +212,14 @@ def test_ddp_rejects_a_negative_bucket_cap(pools):
         pools.run(1, DistributedDataParallel, nn.Linear(2, 2), bucket_cap_mb=-1)
 
 
-def build_broken(args, ctx, layout) -> dp_train.DataParallelStrategy:
-    return dp_train.DataParallelStrategy(args, ctx, lambda model, a: SumNotAverageDDP(model, a.bucket_mb))
+def build_broken(run: Run, ctx) -> dp_train.DataParallelStrategy:
+    return dp_train.DataParallelStrategy(run, ctx,
+                                         lambda model, r: SumNotAverageDDP(model, r.options.bucket_mb))
 
 
 def train_cli(argv: list[str], broken: bool = False) -> dict:
-    args = dp_train.parse_args([*argv, "--log-every", "0"])
-    layout = dp_train.validate(args, dist.get_world_size())
-    return run(args, init_distributed(), layout, build_broken if broken else dp_train.build, 1)
+    run = dp_train.validate(dp_train.parse_args([*argv, "--log-every", "0"]), dist.get_world_size())
+    return build_and_train(run, init_distributed(), build_broken if broken else dp_train.build, 1)
 
 
 CLI_ARGV = ["--model", "tiny", "--dtype", "float64", "--steps", "2", "--global-batch", "8",

@@ -21,6 +21,7 @@ from common.clip import clip_grads_by_global_norm_
 from common.collectives import reduce_scatter_single
 from common.comm import CommMeter
 from common.dist import init_distributed
+from common.mesh import MeshShape, build_mesh
 from common.model import get_config
 from fsdp import (
     FullyShardedDataParallel,
@@ -29,7 +30,6 @@ from fsdp import (
     UnitTraffic,
     fsdp_comm_bytes,
     fsdp_comm_bytes_by_group,
-    node_groups,
     unit_traffic,
 )
 from fsdp import train as fsdp_train
@@ -41,7 +41,7 @@ from tests.equivalence import (
     check_strategy,
     check_strategy_rejected,
     data_parallel_specs,
-    spec_args,
+    spec_run,
     with_spec,
 )
 from tests.harness import RankError
@@ -54,9 +54,9 @@ THOROUGH = PROFILE == "thorough"  # ci: one 4-rank pool, 2×2, the fewest exampl
 def hsdp_strategy(spec: TrainSpec, sharding: str, shard_size: int, no_sync: bool = False,
                   cls: type[FSDPStrategy] = FSDPStrategy) -> FSDPStrategy:
     """Built as train.py builds it for `--nodes world/s`: nodes of s consecutive ranks."""
-    args = spec_args(spec, sharding_strategy=sharding, no_sync=no_sync, no_prefetch=False, impl="ours",
-                     nodes=spec.world_size // shard_size)
-    return cls(args, init_distributed())
+    run = spec_run(spec, fsdp_train.validate, sharding_strategy=sharding, no_sync=no_sync, no_prefetch=False,
+                   impl="ours", nodes=spec.world_size // shard_size)
+    return cls(run, init_distributed())
 
 
 # --- the same numbers as one device -----------------------------------------------------------------
@@ -296,9 +296,9 @@ def test_hsdp_network_bytes_per_node_and_per_nic():
 def train_cli(argv: list[str]) -> dict:
     from common.training import train
     args = fsdp_train.parse_args(argv)
-    layout = fsdp_train.validate(args, dist.get_world_size())
+    run = fsdp_train.validate(args, dist.get_world_size())
     ctx = init_distributed()
-    return train(args, ctx, fsdp_train.build(args, ctx, layout), layout, chapter=4)
+    return train(run, ctx, fsdp_train.build(run, ctx), chapter=4)
 
 
 def test_train_hsdp_check_passes_and_reports_bytes_per_group(pools):
@@ -340,6 +340,14 @@ def test_bad_hsdp_flags_fail_before_any_collective(monkeypatch, argv, env, messa
         fsdp_train.validate(fsdp_train.parse_args(argv), 4)
 
 
+def node_groups(per_node: int) -> tuple:
+    """torch's default HSDP groups (a node = per_node consecutive ranks), from the kernel's mesh."""
+    world = dist.get_world_size()
+    mesh = build_mesh(MeshShape(dp_replicate=world // per_node, dp_shard=per_node),
+                      ("dp_shard", "dp_replicate"))
+    return mesh.group("dp_shard"), mesh.group("dp_replicate")
+
+
 def wrap_with_one_group_twice() -> None:
     shard, _ = node_groups(2)
     FullyShardedDataParallel(nn.Sequential(nn.Linear(3, 3)), process_group=(shard, shard),
@@ -347,8 +355,8 @@ def wrap_with_one_group_twice() -> None:
 
 
 def test_overlapping_groups_are_refused_on_every_rank_before_any_collective(pools):
-    with pytest.raises(RankError, match=r"replicate_group \[0, 1\]\) must share only this rank .*node_groups"
-                       ) as info:
+    with pytest.raises(RankError, match=r"replicate_group \[0, 1\]\) must share only this rank "
+                                        r".*build_mesh\(MeshShape\(dp_replicate") as info:
         pools.run(4, wrap_with_one_group_twice)
     assert sorted(info.value.errors) == [0, 1, 2, 3]
     pools.run(4, dist.barrier)  # no rank was left inside a collective

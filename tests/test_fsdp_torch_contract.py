@@ -120,7 +120,7 @@ def test_auto_wrap_makes_the_units_torchs_recursive_wrap_makes(min_num_params):
     (dict(process_group="intra", sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2), ValueError,
      r"takes process_group=\(shard_group, replicate_group\) or None"),
     (dict(sharding_strategy=ShardingStrategy.HYBRID_SHARD), ValueError,
-     r"Manual wrapping with ShardingStrategy.HYBRID_SHARD requires explicit.*node_groups"),
+     r"Manual wrapping with ShardingStrategy.HYBRID_SHARD requires explicit.*build_mesh\(MeshShape"),
     (dict(param_init_fn=lambda m: None, shard_init_fn=lambda n, p: p), ValueError, r"both given: pass one"),
     (dict(sync_module_states=True, shard_init_fn=lambda n, p: p), ValueError, r"sync_module_states=True "
                                                                                r"with shard_init_fn"),

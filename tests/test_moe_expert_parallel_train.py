@@ -19,9 +19,9 @@ from tests.harness import RankError
 
 def train_cli(argv: list[str]) -> dict:
     args = tp_train.parse_args(argv)
-    layout = tp_train.validate(args, dist.get_world_size())
+    run = tp_train.validate(args, dist.get_world_size())
     ctx = init_distributed()
-    return train(args, ctx, tp_train.build(args, ctx, layout), layout, 5)
+    return train(run, ctx, tp_train.build(run, ctx), 5)
 
 
 @pytest.mark.parametrize("world, flags", [(2, ["--ep", "2", "--clip-grad", "0.5", "--grad-accum", "2"]),
@@ -63,9 +63,9 @@ def validate_argv(argv: list[str], n_experts: int | None = None):
 
 @pytest.mark.parametrize("argv, n_experts, message", [
     (["--model", "tiny-moe", "--ep", "3"], None,
-     r"--ep 3 does not divide the world of 4 ranks .*: use one of --ep 1, 2, 4"),
+     r"--model tiny-moe: --ep 3 does not divide the 4 ranks it borrows .*: use one of --ep 1, 2, 4"),
     (["--model", "tiny-moe", "--ep", "4"], 6,
-     r"--ep 4 does not divide the 6 experts of --model tiny-moe .*: use one of --ep 1, 2$"),
+     r"--ep 4 does not divide the 6 experts .*: use one of --ep 1, 2$"),
     (["--model", "tiny-moe", "--tp", "2"], None,
      r"mixture-of-experts model: .* not --tp 2 --cp 1 .*use --tp 1 --cp 1"),
     (["--model", "tiny-moe", "--cp", "2"], None, r"not --tp None --cp 2 .*use --tp 1 --cp 1"),
@@ -75,3 +75,21 @@ def test_bad_input_fails_on_every_rank_before_any_collective(pools, argv, n_expe
     with pytest.raises(RankError, match=message) as info:
         pools.run(4, validate_argv, argv, n_experts)
     assert sorted(info.value.errors) == [0, 1, 2, 3]
+
+
+def expert_groups_of_the_strategy(argv: list[str]) -> dict[str, list[int]]:
+    strategy = tp_train.build(tp_train.validate(tp_train.parse_args(argv), dist.get_world_size()),
+                              init_distributed())
+    ranks = dist.get_process_group_ranks
+    return {"ep": ranks(strategy.ep_group), "dispatch": ranks(strategy.layers[0].dispatcher.group),
+            "replicas": ranks(strategy.replica_group)}
+
+
+def test_the_all_to_alls_run_over_consecutive_ranks(pools):
+    """EP groups strided across the replica train the same numbers while every all-to-all crosses
+    nodes: only the ranks say it. On 4 ranks, --ep 2: the all-to-alls over {0,1} and {2,3} (one
+    node of 2), the expert gradients averaged over {0,2} and {1,3}."""
+    argv = ["--model", "tiny-moe", "--ep", "2", "--data", "synthetic", "--global-batch", "4"]
+    for rank, groups in enumerate(pools.run(4, expert_groups_of_the_strategy, argv)):
+        pair = [rank - rank % 2, rank - rank % 2 + 1]
+        assert groups == {"ep": pair, "dispatch": pair, "replicas": [rank % 2, rank % 2 + 2]}, (rank, groups)

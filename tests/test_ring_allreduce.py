@@ -34,7 +34,7 @@ from common.dist import init_distributed
 from common.forkrun import torchrun_forked
 from common.model import get_config
 from common.p2p_plan import P2PRecorder, as_op, find_deadlock, plan_from_records
-from common.training import run
+from common.training import build_and_train
 from ring_allreduce import bench as ring_bench
 from ring_allreduce import ring as ring_module
 from ring_allreduce import train as ring_train
@@ -692,9 +692,8 @@ def test_bad_input_is_a_clear_error_on_every_rank_and_leaves_none_hanging(pools,
 # ---------------------------------------------------------------- train.py and bench.py
 
 def train_cli(argv: list[str]) -> dict:
-    args = ring_train.parse_args(argv)
-    layout = ring_train.validate(args, dist.get_world_size())
-    return run(args, init_distributed(), layout, ring_train.build, 2, ring_train.verify_and_time)
+    run = ring_train.validate(ring_train.parse_args(argv), dist.get_world_size())
+    return build_and_train(run, init_distributed(), ring_train.build, 2, ring_train.verify_and_time)
 
 
 CLI_ARGV = ["--model", "tiny", "--dtype", "float64", "--steps", "2", "--global-batch", "12",

@@ -16,7 +16,6 @@ import torch.distributed as dist
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from common.cli import BatchLayout
 from common.comm import CommMeter
 from common.data import SyntheticTokens, split_inputs_targets
 from common.dist import init_distributed
@@ -48,7 +47,7 @@ from tensor_parallel.formulas import (
     layer_activation_bytes,
     model_activation_bytes,
 )
-from tests.equivalence import TrainSpec, check_strategy, check_strategy_rejected, spec_args, with_spec
+from tests.equivalence import TrainSpec, check_strategy, check_strategy_rejected, spec_run, with_spec
 from tests.harness import RankError
 
 # --- layers against dense -------------------------------------------------------------------
@@ -250,9 +249,8 @@ def test_a_plan_entry_naming_no_module_fails_before_anything_is_cut():
 
 
 def tp_strategy(spec: TrainSpec, tp: int, sequence_parallel: bool, broken: str | None = None):
-    args = spec_args(spec, tp=tp, sequence_parallel=sequence_parallel)
-    strategy = tp_train.TensorParallelStrategy(args, init_distributed(),
-                                               BatchLayout(spec.micro_batch, spec.grad_accum))
+    run = spec_run(spec, tp_train.validate, tp=tp, cp=1, ep=None, sequence_parallel=sequence_parallel)
+    strategy = tp_train.TensorParallelStrategy(run, init_distributed())
     if broken:
         BREAK[broken](strategy, spec)
     return strategy
@@ -485,9 +483,9 @@ def test_bad_input_fails_on_every_rank_before_any_collective(pools, argv, cfg, m
 
 def train_cli(argv: list[str]) -> dict:
     args = tp_train.parse_args(argv)
-    layout = tp_train.validate(args, dist.get_world_size())
+    run = tp_train.validate(args, dist.get_world_size())
     ctx = init_distributed()
-    return train(args, ctx, tp_train.build(args, ctx, layout), layout, 5)
+    return train(run, ctx, tp_train.build(run, ctx), 5)
 
 
 @pytest.mark.parametrize("flags", [["--tp", "4"], ["--tp", "2", "--sequence-parallel", "--clip-grad", "1"]])

@@ -14,6 +14,7 @@ from functools import partial
 
 from matplotlib.patches import Rectangle
 
+from common.mesh import MeshShape, group_ranks
 from common.model import RMSNorm, TransformerBlock, build_model, get_config, loss_fn
 from fsdp.formulas import UnitTraffic, network_bytes, unit_comm_bytes_by_group
 from fsdp.wrap import (
@@ -292,6 +293,11 @@ def units_draw(data: dict):
     return fig
 
 
+def shard_across_nodes(lines: dict) -> dict:
+    """A plausible bug for the test: HSDP's two groups swapped (sharding over the network)."""
+    return {**lines, "dp_shard": lines["dp_replicate"], "dp_replicate": lines["dp_shard"]}
+
+
 def never_descend(answer: bool) -> bool:
     """A plausible bug for the test: a policy that answers the opposite question."""
     return not answer
@@ -301,9 +307,11 @@ def never_descend(answer: bool) -> bool:
 
 def hsdp_data(s: int = 8, r: int = 2, micro_batches: int = 1,
               nodes: tuple[int, ...] = (2, 4, 8, 16, 64)) -> dict:
-    """Per node and step, bytes over the network for FULL_SHARD (one ring over s·r ranks) and
-    HYBRID_SHARD (shard in the node, all-reduce across), in units of P·b (`network_bytes`, one
-    unit of P elements, b_p = b_r), for s GPUs per node and each number of nodes."""
+    """HSDP's groups on r nodes of s GPUs, from the mesh (common.mesh: dp_shard lines shard,
+    dp_replicate lines all-reduce), and per node and step, bytes over the network for FULL_SHARD
+    (one ring over s·r ranks) and HYBRID_SHARD (shard in the node, all-reduce across), in units of
+    P·b (`network_bytes`, one unit of P elements, b_p = b_r), for each number of nodes."""
+    groups = group_ranks(MeshShape(dp_replicate=r, dp_shard=s), ("dp_shard", "dp_replicate"))
     P = 2**20
     unit = [UnitTraffic(P, P, 1, False)]
     rows = []
@@ -313,14 +321,16 @@ def hsdp_data(s: int = 8, r: int = 2, micro_batches: int = 1,
         rows.append({"nodes": count, "flat": flat, "hsdp": hsdp})
     per_rank = unit_comm_bytes_by_group(unit[0], s, ShardingStrategy.HYBRID_SHARD, 2 * micro_batches, 1, r)
     scaled = lambda d: {k: v / P if k.startswith(("network", "nvlink")) else v for k, v in d.items()}  # noqa: E731
-    return {"s": s, "r": r, "micro_batches": micro_batches,
+    return {"s": s, "r": r, "micro_batches": micro_batches, "shard": groups["dp_shard"],
+            "replicate": groups["dp_replicate"],
             "rows": [{"nodes": x["nodes"], "flat": scaled(x["flat"]), "hsdp": scaled(x["hsdp"])}
                      for x in rows],
             "per_rank_intra": per_rank[0] / P, "per_rank_inter": per_rank[1] / P}
 
 
 def hsdp_draw(data: dict):
-    s, r = data["s"], data["r"]
+    s, r, shard = data["s"], data["r"], data["shard"]
+    where = {rank: (k, i) for k, line in enumerate(shard) for i, rank in enumerate(line)}
     fig, (top, ax) = draw.figure(height=5.6, nrows=2, ncols=1, gridspec_kw={"height_ratios": [1.15, 1]})
     gpu, gap = 1.0, 1.6
     node_w = s * gpu
@@ -331,7 +341,7 @@ def hsdp_draw(data: dict):
         top.text(x0 + node_w / 2, -0.85, f"node {k}: shard group (all-gathers, reduce-scatters: NVLink)",
                  ha="center", fontsize=7)
         for i in range(s):
-            draw.box(top, x0 + i * gpu + 0.1, 0, gpu - 0.2, 0.8, f"{k * s + i}", color=draw.rank_color(i),
+            draw.box(top, x0 + i * gpu + 0.1, 0, gpu - 0.2, 0.8, f"{shard[k][i]}", color=draw.rank_color(i),
                      alpha=0.85, fontsize=7, textcolor="#FFFFFF")
             if i < s - 1:
                 draw.arrow(top, (x0 + i * gpu + 0.85, 1.15), (x0 + (i + 1) * gpu + 0.15, 1.15),
@@ -340,12 +350,12 @@ def hsdp_draw(data: dict):
         if k < r - 1:
             draw.arrow(top, (x0 + node_w + 0.3, 0.4), (x0 + node_w + gap - 0.3, 0.4), color="#D55E00",
                        width=1.5)
-    for i in range(s):
-        y = 2.25 + 0.12 * i
-        xs = [k * (node_w + gap) + i * gpu + gpu / 2 for k in range(r)]
-        top.plot([xs[0], xs[-1]], [y, y], color=draw.rank_color(i), lw=1)
+    for j, line in enumerate(data["replicate"]):
+        y = 2.25 + 0.12 * j
+        xs = [where[rank][0] * (node_w + gap) + where[rank][1] * gpu + gpu / 2 for rank in line]
+        top.plot([min(xs), max(xs)], [y, y], color=draw.rank_color(j), lw=1)
         for x in xs:
-            top.plot([x, x], [0.8, y], color=draw.rank_color(i), lw=0.5, ls=":")
+            top.plot([x, x], [0.8, y], color=draw.rank_color(j), lw=0.5, ls=":")
     top.text(0, 3.3, f"replicate groups: local rank i on every node all-reduces its 1/{s} of each gradient "
              f"across the {r} nodes (one NIC per GPU): {data['per_rank_inter']:.3g}·P·b per GPU",
              fontsize=7, va="center")
@@ -395,7 +405,8 @@ FIGURES = [
            alt="tiny's parameters coloured by the unit that owns them under four auto-wrap policies"),
     Figure(name="hsdp_network", path="04_fsdp/figures/hsdp_network.svg", data=hsdp_data, draw=hsdp_draw,
            sizes={"s": 8, "r": 2},
-           sources=(Source("fsdp.formulas:network_bytes",
+           sources=(Source("common.mesh:group_ranks", perturb=shard_across_nodes),
+                    Source("fsdp.formulas:network_bytes",
                            perturb=lambda d: {**d, "network_reduce": 8 * d["network_reduce"]}),
                     Source("fsdp.formulas:unit_comm_bytes_by_group", perturb=lambda t: (t[0], 2 * t[1]))),
            alt="HSDP's shard groups (nodes) and replicate groups, and the bytes leaving a node per step"),

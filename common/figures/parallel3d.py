@@ -1,6 +1,6 @@
 """Chapter 07's figures: the mesh's groups, one rank's 3D step, and recomputation's trade.
 
-The mesh is `parallel3d.mesh.group_ranks` (the lines `build_mesh` makes groups of) placed by
+The mesh is `common.mesh.group_ranks` (the lines `build_mesh` makes groups of) placed by
 `coordinates`; one 3D step composes the pipeline's action list (06: `make_schedule`, `simulate`,
 `p2p.exchanges`) with what runs inside each action: TP's collectives per block (05:
 `block_comm_bytes`, counted in collectives), context parallelism's ring steps (05:
@@ -17,11 +17,11 @@ import math
 import torch
 
 from common.memory import ActivationMeter
+from common.mesh import MeshShape, coordinates, group_ranks
 from common.model import CONFIGS, LlamaConfig, build_model, loss_fn
 from parallel3d import memory_model
 from parallel3d.comm_formulas import fsdp_gathers
 from parallel3d.memory_model import head_activation_bytes, layer_activation_bytes
-from parallel3d.mesh import coordinates, group_ranks
 from parallel3d.planner.pricing import recompute_fraction
 from parallel3d.recompute import apply_recompute
 from pipeline import p2p
@@ -46,11 +46,12 @@ DIM_TEXT = {"tp": "TP: all-reduce in every block (NVLink, inside a node)",
 
 def mesh_data(dp: int = 2, pp: int = 2, tp: int = 2, cp: int = 1) -> dict:
     """Every rank's coordinates and every line of every dimension (the groups build_mesh makes)."""
-    world = dp * pp * tp * cp
-    lines = group_ranks(dp, pp, tp, cp)
+    shape = MeshShape(pp=pp, dp_shard=dp, cp=cp, tp=tp)
+    lines = group_ranks(shape)
     dims = ["tp", *(["cp"] if cp > 1 else []), "dp", *(["dp_cp"] if cp > 1 and dp > 1 else []), "pp"]
+    at = [coordinates(r, shape) for r in range(shape.world)]
     return {"sizes": {"dp": dp, "pp": pp, "cp": cp, "tp": tp},
-            "coords": [list(coordinates(r, dp, pp, tp, cp)) for r in range(world)],
+            "coords": [[a.dp, a.pp, a.cp, a.tp] for a in at],
             "lines": {d: lines[d] for d in dims}}
 
 
@@ -118,8 +119,9 @@ def step_data(dp: int = 2, pp: int = 2, tp: int = 2, cp: int = 1, rank: int = 0,
     """What global rank `rank` does in one step: its pipeline actions (simulated times) and,
     inside each, in order, the collectives it joins and with which ranks (FULL_SHARD, no SP)."""
     cfg = CONFIGS[model]
-    at = coordinates(rank, dp, pp, tp, cp)
-    lines = group_ranks(dp, pp, tp, cp)
+    shape = MeshShape(pp=pp, dp_shard=dp, cp=cp, tp=tp)
+    at = coordinates(rank, shape)
+    lines = group_ranks(shape)
     peers = {d: next(g for g in lines[d] if rank in g) for d in ("tp", "cp", "dp_cp", "pp")}
     sched = make_schedule(schedule, pp, m, 2 if schedule == "interleaved" else 1)
     intervals = simulate(sched)
@@ -186,9 +188,9 @@ def step_data(dp: int = 2, pp: int = 2, tp: int = 2, cp: int = 1, rank: int = 0,
         for dim, what, _ in a["ops"]:
             if dim != "compute":
                 totals[f"{dim} {what}"] = totals.get(f"{dim} {what}", 0) + 1
-    return {"sizes": {"dp": dp, "pp": pp, "cp": cp, "tp": tp}, "rank": rank, "coords": list(at),
-            "peers": peers, "schedule": schedule, "m": m, "model": model, "actions": out,
-            "totals": totals}
+    return {"sizes": {"dp": dp, "pp": pp, "cp": cp, "tp": tp}, "rank": rank,
+            "coords": [at.dp, at.pp, at.cp, at.tp], "peers": peers, "schedule": schedule, "m": m,
+            "model": model, "actions": out, "totals": totals}
 
 
 OP_COLORS = {"compute": "#EEEEEE", **DIM_COLORS}
@@ -327,18 +329,18 @@ def tp_outermost(lines: dict) -> dict:
 
 
 def dp_and_tp_swapped(at):
-    return type(at)(at.tp, at.pp, at.cp, at.dp)
+    return at._replace(dp=at.tp, dp_shard=at.tp, tp=at.dp)
 
 
 FIGURES = [
     Figure(name="mesh_groups", path="07_3d/figures/mesh_groups.svg", data=mesh_data, draw=mesh_draw,
            sizes={"dp": 2, "pp": 2, "tp": 2, "cp": 1},
-           sources=(Source("parallel3d.mesh:group_ranks", tp_outermost),
-                    Source("parallel3d.mesh:coordinates", dp_and_tp_swapped)),
+           sources=(Source("common.mesh:group_ranks", tp_outermost),
+                    Source("common.mesh:coordinates", dp_and_tp_swapped)),
            alt="the 3D mesh's TP, DP and PP groups, from group_ranks"),
     Figure(name="step_3d", path="07_3d/figures/step_3d.svg", data=step_data, draw=step_draw,
            sizes={"dp": 2, "pp": 2, "tp": 2, "cp": 1, "rank": 0, "schedule": "1f1b", "m": 4, "model": "tiny"},
-           sources=(Source("parallel3d.mesh:group_ranks", tp_outermost),
+           sources=(Source("common.mesh:group_ranks", tp_outermost),
                     Source("pipeline.schedules:make_schedule", lambda s: gpipe(s.p, s.m)),
                     Source("pipeline.p2p:exchanges", lambda ex: [p2p.Exchange((), e.recvs) for e in ex]),
                     Source("tensor_parallel.formulas:block_comm_bytes",
