@@ -13,7 +13,6 @@ from contextlib import nullcontext
 from functools import cache
 
 import torch
-import torch.distributed as dist
 
 from common.data import SyntheticTokens
 from common.diagnosis import close, explain, first_difference, near, steps_pattern
@@ -21,6 +20,7 @@ from common.grader import Fail, Property
 from common.lab_rank import at
 from common.lab_tools import group_of, local_rows, one_device, split, where
 from common.model import build_model, get_config, loss_fn
+from common.patch import patch_dist
 from common.reference import make_optimizer, make_reference
 
 TITLE = "bucketed DDP"
@@ -51,14 +51,15 @@ def train(lab, world: int, steps: int = 1, optimizer: str = "sgd", micro: int = 
     events, names = [], {id(p): n for n, p in model.named_parameters()}
     for p in model.parameters():  # registered after yours: fires after your hook
         p.register_post_accumulate_grad_hook(lambda p: events.append(("grad", names[id(p)])))
-    all_reduce = dist.all_reduce
 
-    def counted(tensor, *args, **kwargs):
-        events.append(("all_reduce", tensor.numel()))
-        return all_reduce(tensor, *args, **kwargs)
+    def counting(all_reduce):
+        def counted(tensor, *args, **kwargs):
+            events.append(("all_reduce", tensor.numel()))
+            return all_reduce(tensor, *args, **kwargs)
+        return counted
 
-    dist.all_reduce, grads = counted, []
-    try:
+    grads = []
+    with patch_dist({"all_reduce": counting}):
         for step in range(steps):
             shards = local_rows(step, g.rank, g.size, BATCH, CFG, SEQ, micro)
             for i, (inputs, targets) in enumerate(shards):
@@ -71,8 +72,6 @@ def train(lab, world: int, steps: int = 1, optimizer: str = "sgd", micro: int = 
                           for n, p in model.named_parameters()})
             opt.step()
             opt.zero_grad(set_to_none=True)
-    finally:
-        dist.all_reduce = all_reduce
     return {"grads": grads, "events": events, "buckets": len(ddp.buckets)}
 
 

@@ -25,6 +25,7 @@ from common.lab_rank import at
 from common.lab_tools import group_of, local_rows, one_device, split, where
 from common.model import build_model, get_config, loss_fn
 from common.p2p_plan import P2PRecorder
+from common.patch import patch_dist
 from common.reference import make_optimizer
 from ring_allreduce.lab_hints import bounds, data, diagnose_all_reduce, diagnose_chunk, diagnose_gather
 
@@ -55,15 +56,9 @@ def calling(name: str, length: int | None = None):
         raise RuntimeError(BLOCKING)
 
     at(phase=name + (f" on {length} elements" if length is not None else ""))
-    saved = [(m, n, getattr(m, n)) for n in ("send", "recv") for m in (dist, c10d)]
-    for module, fn_name, _ in saved:
-        setattr(module, fn_name, refused)
-    try:
-        with P2PRecorder() as recorder:
-            yield recorder
-    finally:
-        for module, fn_name, fn in saved:
-            setattr(module, fn_name, fn)
+    with patch_dist({"send": lambda _: refused, "recv": lambda _: refused}, also=(c10d,)), \
+            P2PRecorder() as recorder:
+        yield recorder
 
 
 def sent_bytes(recorder: P2PRecorder) -> int:

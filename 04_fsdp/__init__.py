@@ -18,7 +18,6 @@ from .wrap import (
     MixedPrecision,
     ModuleWrapPolicy,
     ShardingStrategy,
-    node_groups,
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
 )
@@ -27,6 +26,6 @@ FSDP = FullyShardedDataParallel
 
 __all__ = ["FSDP", "HYBRID_STRATEGIES", "BackwardPrefetch", "FlatParamHandle", "FullyShardedDataParallel",
            "MixedPrecision", "ModuleWrapPolicy", "ParamShard", "ShardingStrategy", "UnitShard", "UnitTraffic",
-           "clean_name", "fsdp_comm_bytes", "fsdp_comm_bytes_by_group", "node_groups",
+           "clean_name", "fsdp_comm_bytes", "fsdp_comm_bytes_by_group",
            "size_based_auto_wrap_policy", "transformer_auto_wrap_policy", "unit_comm_bytes",
            "unit_comm_bytes_by_group", "unit_traffic"]

@@ -9,8 +9,9 @@ A *unit* is a module whose parameters are flattened into one flat parameter and 
 
 so the source article's `partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})`
 works unchanged: every TransformerBlock becomes a unit, the root unit keeps what is left
-(embeddings, final norm, output head). HSDP's two groups (`process_groups`, `node_groups`) are
-resolved here too. Depends only on torch.
+(embeddings, final norm, output head). HSDP's two groups (`process_groups`) are resolved here
+too: torch's default is the kernel's mesh (common/mesh.py) of one node per dp_shard line.
+Depends only on torch and the kernel.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+from common.mesh import MeshShape, build_mesh
 
 
 class ShardingStrategy(enum.Enum):
@@ -154,9 +157,12 @@ def check_options(process_group, sharding_strategy, backward_prefetch, cpu_offlo
 
 # --- HSDP's two groups --------------------------------------------------------------------------
 
+NODE_GROUPS = ("(mesh.group('dp_shard'), mesh.group('dp_replicate')) of common.mesh's "
+               "build_mesh(MeshShape(dp_replicate=nodes, dp_shard=ranks_per_node))")
+
 def check_process_group(process_group, sharding_strategy: ShardingStrategy, auto_wrap_policy) -> None:
     """torch's rules for `process_group`: a HYBRID strategy takes (shard_group, replicate_group) or
-    None (then torch's default: the node's ranks, see `node_groups`); the others take one group."""
+    None (then torch's default: the node's ranks, `process_groups`); the others take one group."""
     hybrid, pair = sharding_strategy in HYBRID_STRATEGIES, isinstance(process_group, tuple)
     if pair and not hybrid:
         raise ValueError(f"process_group=(shard_group, replicate_group) with {sharding_strategy}: a pair "
@@ -172,16 +178,16 @@ def check_process_group(process_group, sharding_strategy: ShardingStrategy, auto
         if set(shard) & set(replicate) != {dist.get_rank()}:
             raise ValueError(f"{sharding_strategy}: process_group=(shard_group {shard}, replicate_group "
                              f"{replicate}) must share only this rank ({dist.get_rank()}), or replicas would "
-                             "hold different shards: build them with fsdp.node_groups(ranks_per_node)")
+                             f"hold different shards: build them as {NODE_GROUPS}")
     if process_group is not None and not pair:
         raise ValueError(f"{sharding_strategy} takes process_group=(shard_group, replicate_group) or None "
                          f"(the node's ranks), not one group ({type(process_group).__name__}): pass both "
-                         "groups, e.g. fsdp.node_groups(ranks_per_node)")
+                         f"groups, e.g. {NODE_GROUPS}")
     if process_group is None:
         if auto_wrap_policy is None:  # torch's rule: manually wrapped units would make groups each
             raise ValueError(f"Manual wrapping with {sharding_strategy} requires explicit specification of "
                              "process group: pass process_group=(shard_group, replicate_group) "
-                             "(fsdp.node_groups(ranks_per_node) builds torch's default), or an "
+                             f"({NODE_GROUPS} is torch's default), or an "
                              "auto_wrap_policy")
         node_size(dist.get_world_size())
 
@@ -194,29 +200,19 @@ def node_size(world_size: int) -> int:
         raise ValueError(f"HYBRID_SHARD with process_group=None shards within a node of LOCAL_WORLD_SIZE "
                          f"ranks, but LOCAL_WORLD_SIZE={value} (world size {world_size}): launch with "
                          "torchrun (equal nodes), or pass process_group=(shard_group, replicate_group), "
-                         "e.g. fsdp.node_groups(ranks_per_node)")
+                         f"e.g. {NODE_GROUPS}")
     return int(value)
-
-
-def node_groups(ranks_per_node: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """torch's default HSDP groups over the world, L = ranks_per_node: node k's ranks
-    [k·L, (k+1)·L) shard, the ranks of one local rank i across nodes {i, i+L, i+2L, …} replicate.
-    A collective over the world (every rank creates every group, in the same order)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if ranks_per_node < 1 or world % ranks_per_node:
-        raise ValueError(f"node_groups({ranks_per_node}): the world size {world} must be a multiple of "
-                         "the ranks per node")
-    groups = [dist.new_group(list(range(k, k + ranks_per_node))) for k in range(0, world, ranks_per_node)]
-    replicas = [dist.new_group(list(range(i, world, ranks_per_node))) for i in range(ranks_per_node)]
-    return groups[rank // ranks_per_node], replicas[rank % ranks_per_node]
 
 
 def process_groups(process_group, sharding_strategy: ShardingStrategy) -> tuple[object, object | None]:
     """(the group a unit shards over, the group its shards are all-reduced over or None)."""
     if sharding_strategy not in HYBRID_STRATEGIES:
         return process_group, None
-    if process_group is None:
-        return node_groups(node_size(dist.get_world_size()))
+    if process_group is None:  # torch's default: node k's L ranks shard, local rank i's replicate
+        per_node = node_size(dist.get_world_size())
+        mesh = build_mesh(MeshShape(dp_replicate=dist.get_world_size() // per_node, dp_shard=per_node),
+                          ("dp_shard", "dp_replicate"))
+        return mesh.group("dp_shard"), mesh.group("dp_replicate")
     return process_group
 
 

@@ -54,7 +54,9 @@ class _AllToAll(torch.autograd.Function):
         return grad_in, None, None, None
 
 
-def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """Rows of x out by `in_splits` to each rank of `group`, `out_splits` rows in from each (autograd:
+    the gradient goes back the same way). Not dist.all_to_all, which takes lists of tensors."""
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
@@ -76,7 +78,7 @@ class AllToAllDispatcher:
         received = recv.view(self.ep, self.local).tolist()  # the host sync (see the docstring)
         in_splits = [sum(counts[q * self.local:(q + 1) * self.local]) for q in range(self.ep)]
         out_splits = [sum(row) for row in received]
-        arrived = all_to_all(rows, out_splits, in_splits, self.group)
+        arrived = all_to_all_rows(rows, out_splits, in_splits, self.group)
         starts, at = [], 0  # where rows (source s, local expert e) begin in `arrived`
         for row in received:
             starts.append([])
@@ -96,14 +98,16 @@ class AllToAllDispatcher:
         in_splits, out_splits, regroup = self._state
         self._state = None
         source_major = expert_outputs[torch.argsort(regroup)]
-        returned = all_to_all(source_major, in_splits, out_splits, self.group)
+        returned = all_to_all_rows(source_major, in_splits, out_splits, self.group)
         return unpermute(returned, plan)
 
 
-def expert_parallel(model: nn.Module, group) -> list[MoEFeedForward]:
+def expert_parallel(model: nn.Module, group, dispatcher: type[AllToAllDispatcher] = AllToAllDispatcher
+                    ) -> list[MoEFeedForward]:
     """Every MoE layer of `model` (a model, a block or a layer) keeps only this rank's experts
-    [r·E/ep, (r+1)·E/ep) and dispatches by all-to-all over `group`, in place. Checks before any
-    collective: E divisible by the group's size."""
+    [r·E/ep, (r+1)·E/ep) and dispatches by all-to-all over `group` (a `dispatcher`(group, E):
+    AllToAllDispatcher or a subclass), in place. Checks before any collective: E divisible by the
+    group's size."""
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     layers = [model] if isinstance(model, MoEFeedForward) else moe_layers(model)
     for layer in layers:
@@ -120,5 +124,5 @@ def expert_parallel(model: nn.Module, group) -> list[MoEFeedForward]:
             for name in ("w1", "w2", "w3"):
                 getattr(local, name).copy_(getattr(full, name)[lo:hi])
         layer.experts = local
-        layer.dispatcher = AllToAllDispatcher(group, E)
+        layer.dispatcher = dispatcher(group, E)
     return layers

@@ -20,16 +20,18 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from common.cli import DTYPES, BatchLayout, batch_layout, model_config, require
+from common.cli import ConfigError, batch_layout, model_config, require
 from common.clip import clip_grads_by_global_norm_
 from common.collectives import all_gather_single
 from common.dist import DistContext
 from common.memory import optimizer_state_tensors, storage_bytes
+from common.mesh import MeshError, build_mesh, mesh_shape
 from common.mixed_precision import MasterWeights
 from common.model import build_model, initializer, materialize
 from common.moe import RoutingPlan
 from common.optimizer_bytes import optimizer_state_bytes
 from common.reference import make_optimizer
+from common.run import Run, resolve_run
 from common.training import Strategy
 from tensor_parallel.expert_parallel import AllToAllDispatcher, expert_parallel
 
@@ -38,8 +40,9 @@ def is_expert(name: str) -> bool:
     return ".experts." in name
 
 
-def validate_moe(args: argparse.Namespace, world_size: int) -> BatchLayout:
-    """A MoE model: only --tp 1 --cp 1 (no SP); --ep (default: the world) divides the world and E."""
+def validate_moe(args: argparse.Namespace, world_size: int, options: object) -> Run:
+    """A MoE model: only --tp 1 --cp 1 (no SP); --ep (default: the world) divides the world and E
+    (the mesh's refusal: common/mesh.py)."""
     cfg = model_config(args)
     E, tp, cp = cfg.n_experts, args.tp, args.cp
     require(tp in (None, 1) and cp == 1 and not args.sequence_parallel,
@@ -47,27 +50,12 @@ def validate_moe(args: argparse.Namespace, world_size: int) -> BatchLayout:
             f"parallelism only, not --tp {tp} --cp {cp}{' --sequence-parallel' * args.sequence_parallel} "
             f"(routing needs whole sequences; TP of experts is not implemented): use --tp 1 --cp 1 "
             f"(the default for MoE) with --ep N")
-    ep = world_size if args.ep is None else args.ep
-    fits = [d for d in range(1, world_size + 1) if world_size % d == 0 and E % d == 0]
-    fix = f"use one of --ep {', '.join(map(str, fits))}"
-    require(ep >= 1, f"--ep {ep}: must be >= 1: {fix}")
-    require(world_size % ep == 0, f"--ep {ep} does not divide the world of {world_size} ranks "
-                                  f"(EP groups are {ep} consecutive ranks): {fix}")
-    require(E % ep == 0, f"--ep {ep} does not divide the {E} experts of --model {args.model} "
-                         f"(each rank holds E/ep of them): {fix}")
-    return batch_layout(args.global_batch, world_size, args.micro_batch, args.grad_accum)
-
-
-def expert_groups(rank: int, world: int, ep: int):
-    """(EP group [r - i, r - i + ep), replica group {i, i + ep, …}: same experts), i = r mod ep."""
-    ep_group = replica_group = None
-    for start in range(0, world, ep):
-        group = dist.new_group(list(range(start, start + ep)))
-        ep_group = group if rank // ep == start // ep else ep_group
-    for i in range(ep):
-        group = dist.new_group(list(range(i, world, ep)))
-        replica_group = group if rank % ep == i else replica_group
-    return ep_group, replica_group
+    try:
+        mesh = mesh_shape(world_size, ep=world_size if args.ep is None else args.ep, n_experts=E)
+    except MeshError as error:
+        raise ConfigError(f"--model {args.model}: {error}") from None
+    layout = batch_layout(args.global_batch, world_size, args.micro_batch, args.grad_accum)
+    return resolve_run(args, mesh, layout, options)
 
 
 class CountingDispatcher(AllToAllDispatcher):
@@ -89,26 +77,24 @@ class CountingDispatcher(AllToAllDispatcher):
 class ExpertParallelStrategy(Strategy):
     """DP over the world, experts over EP groups, fp32 masters in mixed precision (as TP's)."""
 
-    def __init__(self, args: argparse.Namespace, ctx: DistContext, layout: BatchLayout):
-        cfg, self.mixed = model_config(args), args.mixed_precision == "bf16"
-        self.world, self.ep = ctx.world_size, ctx.world_size if args.ep is None else args.ep
-        self.dp_size, self.dp_rank = ctx.world_size, ctx.rank
-        self.ep_group, self.replica_group = expert_groups(ctx.rank, self.world, self.ep)
-        self.model = build_model(cfg, dtype=torch.float32 if self.mixed else DTYPES[args.dtype],
-                                 device="meta")
-        self.layers = expert_parallel(self.model, self.ep_group)
-        for layer in self.layers:
-            layer.dispatcher = CountingDispatcher(self.ep_group, cfg.n_experts)
+    def __init__(self, run: Run, ctx: DistContext):
+        cfg, self.mixed = run.model, run.mixed
+        # EP group [r - i, r - i + ep), replica group {i, i + ep, …} (same experts), i = r mod ep
+        grid = build_mesh(run.mesh, ("ep", "expert_dp"))
+        self.ep_group, self.replica_group = grid.ep_group, grid.group("expert_dp")
+        self.world, self.ep, self.dp_size, self.dp_rank = grid.size, grid.ep, grid.dp, grid.dp_rank
+        self.model = build_model(cfg, dtype=run.dtype, device="meta")
+        self.layers = expert_parallel(self.model, self.ep_group, CountingDispatcher)
         mine = self.layers[0].dispatcher.mine
-        materialize(self.model, initializer(cfg, args.seed), ctx.device,
+        materialize(self.model, initializer(cfg, run.seed), ctx.device,
                     lambda name, full: full[mine] if is_expert(name) else full)
         self.names = [n for n, _ in self.model.named_parameters()]
         self.weights = MasterWeights(self.model.parameters(), enabled=self.mixed)
         if self.mixed:
             self.model.to(torch.bfloat16)
         self.weights.accumulate_in_backward()
-        self.optimizer = make_optimizer(self.weights.master, args.optimizer, args.lr)
-        self.optimizer_name, self.clip_grad = args.optimizer, args.clip_grad
+        self.optimizer = make_optimizer(self.weights.master, run.optimizer, run.lr)
+        self.optimizer_name, self.clip_grad = run.optimizer, run.clip_grad
         self.name, self.mesh = "ep", {"dp": self.world, "ep": self.ep}
         self.dim, self.n_experts, self.device = cfg.dim, cfg.n_experts, ctx.device
         self.e = self.model.output.weight.itemsize
@@ -188,13 +174,24 @@ class ExpertParallelStrategy(Strategy):
             "params": P * self.e, "grads": P * self.reduce_itemsize, "optimizer": opt}
 
     def report_extras(self) -> dict:
-        """The all-to-all formula; per step, max/mean rows per EP rank (worst group). A collective."""
-        load = torch.tensor([sum(n for _, _, n in step) for step in self.steps_log],
+        """The all-to-all formula; the rows each rank's experts processed in each dispatch (one per
+        MoE layer and micro-batch) and per step, and per step `load_imbalance` of the dispatches.
+        A collective."""
+        load = torch.tensor([[n for _, _, n in step] for step in self.steps_log],
                             dtype=torch.float64, device=self.device)
         every = [torch.empty_like(load) for _ in range(self.world)]
         dist.all_gather(every, load)
-        rows = torch.stack(every, 1).view(len(self.steps_log), self.world // self.ep, self.ep)
-        imbalance = (rows.amax(-1) / rows.mean(-1).clamp_min(1e-300)).amax(-1)
+        rows = torch.stack(every, -1)  # [steps, dispatches, world]
+        imbalance = load_imbalance(rows, self.ep)
         return {"ep": self.ep, "ep_all_to_all_bytes_formula": self.all_to_all_formula(),
-                "ep_rows_per_rank": rows.flatten(1).tolist(), "ep_load_imbalance": imbalance.tolist(),
-                "ep_load_imbalance_max": imbalance.max().item()}
+                "ep_rows_per_rank": rows.sum(1).tolist(), "ep_rows_per_dispatch": rows.tolist(),
+                "ep_load_imbalance": imbalance.tolist(), "ep_load_imbalance_max": imbalance.max().item()}
+
+
+def load_imbalance(rows: torch.Tensor, ep: int) -> torch.Tensor:
+    """rows [steps, dispatches, world]: the rows each rank's experts took in each dispatch (EP
+    groups: ep consecutive ranks) → per step, the max over dispatches and groups of max/mean
+    over the group. Each layer's all-to-all waits for its slowest rank, so a step is as slow as
+    its worst dispatch: rows summed over a step's layers would average the stragglers out."""
+    grouped = rows.unflatten(-1, (-1, ep))
+    return (grouped.amax(-1) / grouped.mean(-1).clamp_min(1e-300)).flatten(1).amax(-1)

@@ -1,10 +1,9 @@
 """Chapter 07: 3D parallelism (TP × PP × FSDP on one mesh, CP as a fourth dimension) and the planner.
 
 The pieces a trainer calls (core files: torch, common's kernel, chapters 04–06 by package name):
-    mesh.py            build_mesh(tp, pp, dp=None, cp=1) -> ParallelMesh (TP innermost, then CP,
-                       DP, PP outermost; .tp_group/.cp_group/.dp_group/.dp_cp_group (FSDP's)/
-                       .pp_group); mesh_shape(world, tp, pp, dp=None, cp=1) -> (dp, pp, cp, tp)
-                       or MeshError; group_ranks(dp, pp, tp, cp=1)
+    (the mesh)         the kernel's common/mesh.py: build_mesh(mesh_shape(world, tp=, pp=, cp=))
+                       -> ParallelMesh (TP innermost, then CP, DP, PP outermost; .tp_group,
+                       .cp_group, .dp_cp_group (FSDP's), .pp_group)
     parallelize.py     parallelize_3d(model, mesh, Parallel3DConfig(...), device) -> (chunks,
                        tp_specs): the recipe, apply_pipeline_split → apply_tensor_parallel →
                        apply_context_parallel (cp > 1) → apply_recompute → apply_fsdp (over the
@@ -12,11 +11,12 @@ The pieces a trainer calls (core files: torch, common's kernel, chapters 04–06
     shards.py          shard_map(chunks, tp_specs, mesh) -> ShardMap: which elements of which
                        reference tensor this rank holds; gather_full (for --check)
     clip.py            clip_grad_norm_3d(shards, max_norm): the true global norm
-    recompute.py       apply_recompute(blocks, "none" | "full" | "selective"), CheckpointWrapper
+    recompute.py       apply_recompute(blocks, "none" | "full" | "selective"), Recomputed
     lr_schedule.py     warmup_cosine(step, total, warmup, min_ratio), warmup_cosine_scheduler
     accounting.py      Rank3D and its closed forms (memory, activations; comm_formulas.py: bytes)
 
-The demo: train.py (validate → Train3DConfig, Parallel3DStrategy on the shared loop).
+The demo: train.py (validate → the run, Train3DOptions its options; Parallel3DStrategy on the
+shared loop).
 The planner (use common/): memory_model.py (per-GPU memory and traffic of a layout) and
 planner/ (`python -m parallel3d.planner --model llama2-70b --gpus 64 --gpu-mem-gb 80`).
 Checkpoints: the subpackage checkpoint/ (parallel3d.checkpoint, its lesson is its README.md).
@@ -24,12 +24,10 @@ Checkpoints: the subpackage checkpoint/ (parallel3d.checkpoint, its lesson is it
 
 from .clip import clip_grad_norm_3d
 from .lr_schedule import warmup_cosine, warmup_cosine_scheduler
-from .mesh import MeshError, ParallelMesh, build_mesh, group_ranks, mesh_shape
 from .parallelize import Parallel3DConfig, activation_shape, parallelize_3d, rank_inputs
-from .recompute import CheckpointWrapper, apply_recompute
+from .recompute import Recomputed, apply_recompute
 from .shards import HeldPiece, ShardMap, gather_full, shard_map
 
-__all__ = ["CheckpointWrapper", "HeldPiece", "MeshError", "Parallel3DConfig", "ParallelMesh",
-           "ShardMap", "activation_shape", "apply_recompute", "build_mesh", "clip_grad_norm_3d",
-           "gather_full", "group_ranks", "mesh_shape", "parallelize_3d", "rank_inputs", "shard_map",
-           "warmup_cosine", "warmup_cosine_scheduler"]
+__all__ = ["HeldPiece", "Parallel3DConfig", "Recomputed", "ShardMap", "activation_shape",
+           "apply_recompute", "clip_grad_norm_3d", "gather_full", "parallelize_3d", "rank_inputs",
+           "shard_map", "warmup_cosine", "warmup_cosine_scheduler"]

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from common.mesh import Coordinates, MeshShape, ParallelMesh
 from common.model import LlamaConfig
 from common.optimizer_bytes import optimizer_state_bytes
 from fsdp.flat_param import UnitShard
 from fsdp.fully_sharded import FullyShardedDataParallel
 from parallel3d.memory_model import head_activation_bytes, layer_activation_bytes
-from parallel3d.mesh import Coordinates, ParallelMesh
 from parallel3d.parallelize import Parallel3DConfig
 from pipeline.schedules import Schedule
 from pipeline.simulator import closed_form_bubble
@@ -35,7 +35,7 @@ class Rank3D:
     """One rank of the 3D trainer as data: what every closed form below reads."""
 
     cfg: LlamaConfig
-    sizes: Coordinates  # dp, pp, cp, tp
+    sizes: MeshShape
     at: Coordinates  # this rank's coordinates
     schedule: Schedule
     chunk_units: tuple[tuple[UnitShard, ...], ...]  # FSDP's units of each chunk (root first)
@@ -62,7 +62,7 @@ def describe_rank(cfg: LlamaConfig, mesh: ParallelMesh, schedule: Schedule,
                   chunks: list[FullyShardedDataParallel], parallel: Parallel3DConfig, micro_batch: int,
                   seq_len: int, compute_dtype: torch.dtype, clip: bool, optimizer: str) -> Rank3D:
     """The Rank3D of this rank's built chunks."""
-    return Rank3D(cfg, Coordinates(mesh.dp, mesh.pp, mesh.cp, mesh.tp), mesh.coordinates, schedule,
+    return Rank3D(cfg, mesh.shape, mesh.coordinates, schedule,
                   tuple(tuple(c.shard_layout()) for c in chunks),
                   tuple(len(c.module.layers) for c in chunks), parallel, micro_batch, seq_len,
                   compute_dtype.itemsize, clip, optimizer)

@@ -113,5 +113,5 @@ def comm_bytes_per_step(r: Rank3D, steps: int) -> float:
     total += message * sum(sched.send(rank, a) is not None for a in actions)
     if r.clip:
         sq_bytes = 8 if r.units[0].flat_param.dtype == torch.float64 else 4
-        total += ring(math.prod(r.sizes), 2) * sq_bytes
+        total += ring(r.sizes.world, 2) * sq_bytes
     return steps * total

@@ -1,7 +1,7 @@
 """Lab 07: compose 3D parallelism from the chapters' pieces, and clip by the true global norm.
 
 You write README "The recipe" and "Clipping across three dimensions". The mesh is given
-(`build_mesh`: world = pp × dp × cp × tp, TP innermost; `mesh.pp_rank`, `mesh.tp_group`,
+(common/mesh.py's `build_mesh`: world = pp × dp × cp × tp, TP innermost; `mesh.pp_rank`, `mesh.tp_group`,
 `mesh.cp_group`, `mesh.dp_cp_group`, ...) and so is the plumbing (the grader runs your chunks
 with 06's PipelineExecutor, a torch optimizer and the data). Two functions are yours:
 
@@ -57,9 +57,9 @@ from __future__ import annotations
 
 import torch
 
+from common.mesh import ParallelMesh
 from common.model import Llama
 from fsdp import FSDP
-from parallel3d.mesh import ParallelMesh
 from tensor_parallel import TPShard
 
 # What you will import (the Tools above): torch.distributed as dist; TransformerBlock, initializer

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from common.comm import CommMeter
 from common.data import SyntheticTokens
@@ -25,6 +26,7 @@ from common.diagnosis import explain, near
 from common.grader import Fail, Property
 from common.lab_rank import at
 from common.lab_tools import one_device
+from common.mesh import build_mesh, mesh_shape
 from common.model import build_model, initializer
 from common.p2p_plan import P2PRecorder
 from fsdp import FSDP
@@ -39,7 +41,6 @@ from parallel3d.lab_hints import (
     norm_hint,
     worst_piece,
 )
-from parallel3d.mesh import build_mesh
 from parallel3d.parallelize import Parallel3DConfig, parallelize_3d, rank_inputs
 from parallel3d.shards import shard_map
 from pipeline import PipelineExecutor, make_schedule
@@ -74,7 +75,7 @@ def _meshes(runs) -> list[tuple[dict, list[dict]]]:
 
 
 def _build(lab, dp: int, pp: int, tp: int, cp: int, v: int, seed: int = 0):
-    mesh = build_mesh(tp=tp, pp=pp, dp=dp, cp=cp)
+    mesh = build_mesh(mesh_shape(dist.get_world_size(), tp=tp, pp=pp, dp=dp, cp=cp))
     model = build_model(CFG, dtype=torch.float64, device="meta")
     at(phase=f"parallelize on {_name({'dp': dp, 'pp': pp, 'tp': tp, 'cp': cp, 'v': v})}")
     out = lab.parallelize(model, mesh, CPU, seed=seed, virtual_stages=v)

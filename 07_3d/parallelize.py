@@ -13,7 +13,7 @@ travel with the batch (the executor hands them to every chunk's forward for RoPE
 Nothing is drawn before the last step: each FSDP unit generates, from the seed, the full tensors
 that overlap this rank's shard, cuts their TP piece and keeps its 1/dp. A user's own trainer:
 
-    mesh = build_mesh(tp=2, pp=2)
+    mesh = build_mesh(mesh_shape(world_size, tp=2, pp=2))           (common/mesh.py)
     config = Parallel3DConfig(schedule="1f1b", sequence_parallel=True)
     chunks, tp_specs = parallelize_3d(build_model(cfg, device="meta"), mesh, config, device)
     shards = shard_map(chunks, tp_specs, mesh)                        (shards.py)
@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
+from common.mesh import ParallelMesh
 from common.model import Llama, LlamaConfig, TransformerBlock, initializer
 from fsdp.fully_sharded import FullyShardedDataParallel
 from fsdp.wrap import HYBRID_STRATEGIES, MixedPrecision, ModuleWrapPolicy, ShardingStrategy
-from parallel3d.mesh import ParallelMesh
-from parallel3d.recompute import MODES, CheckpointWrapper, apply_recompute, unwrapped_name
+from parallel3d.recompute import MODES, Recomputed, apply_recompute, unwrapped_name
 from pipeline.schedules import SCHEDULES, virtual_stages
 from pipeline.stage import LlamaChunk, split_model
 from tensor_parallel.context_parallel import apply_context_parallel as context_parallel
@@ -107,7 +107,7 @@ def apply_fsdp(chunks: list[LlamaChunk], mesh: ParallelMesh, config: Parallel3DC
     """04: one unit per block (its recompute wrapper under full recomputation), the rest of the
     chunk as the root unit, sharded over the DP × CP group (gradients averaged over its dp·cp
     ranks); each unit draws only the TP pieces that overlap this rank's shard."""
-    unit = CheckpointWrapper if config.activation_checkpointing == "full" else TransformerBlock
+    unit = Recomputed if config.activation_checkpointing == "full" else TransformerBlock
     bf16 = config.mixed_precision == "bf16"
     mp = MixedPrecision(torch.bfloat16, torch.float32, torch.bfloat16) if bf16 else None
     sharding = ShardingStrategy[config.sharding_strategy]

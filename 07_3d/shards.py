@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from common.mesh import ParallelMesh
 from fsdp.flat_param import UnitShard
 from fsdp.fully_sharded import FullyShardedDataParallel
 from parallel3d.checkpoint.reshard import Region, copy_overlap
-from parallel3d.mesh import ParallelMesh
 from parallel3d.recompute import unwrapped_name
 from tensor_parallel.sharding import TPShard
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from common.patch import patch_dist
+
 
 class A2ARecorder:
     """`with A2ARecorder(post_rows) as rec:` … `rec.records`: this rank's all-to-alls, in order,
@@ -52,12 +54,17 @@ class A2ARecorder:
         output.zero_()
         return None
 
+    def _wrap(self, all_to_all):
+        self._all_to_all = all_to_all
+        return self._call
+
     def __enter__(self) -> A2ARecorder:
-        self._all_to_all, dist.all_to_all_single = dist.all_to_all_single, self._call
+        self._patch = patch_dist({"all_to_all_single": self._wrap})
+        self._patch.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        dist.all_to_all_single = self._all_to_all
+        self._patch.__exit__(*exc)
 
 
 def sent_rows(record: dict, rank: int) -> int:

@@ -91,7 +91,7 @@ class Property:
     config; then every check gets every Run and returns a Fail or its deciding figure (a str).
     The Fail that comes first in time decides (the earliest step; at one step, the check listed
     first): a wrong update at step 1 explains wrong gradients at step 2. A check's docstring's
-    first line says what it grades (the READMEs' "what is graded" blocks are made of them:
+    first paragraph says what it grades (the lessons' lab-graded blocks are made of them:
     common/lab_docs.py).
 
     `plan`: `run` runs under record_p2p_plan (no data moves) and the property passes when what

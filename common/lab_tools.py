@@ -17,7 +17,7 @@ import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from common.data import SyntheticTokens, local_micro_batches, split_inputs_targets
 from common.model import LlamaConfig
+from common.patch import patch_dist
 from common.reference import make_reference
 
 # --- on the ranks ------------------------------------------------------------------------------
@@ -126,15 +127,10 @@ class Posted:
 @contextmanager
 def collectives(*modules) -> Iterator[list[Posted]]:
     """The collectives posted inside, in order (the outermost call only: an old name that calls
-    the new one counts once), wrapped on torch.distributed and on `modules` where they hold
-    torch.distributed's own functions under the same names."""
+    the new one counts once), wrapped by common.patch.patch_dist on torch.distributed, its
+    distributed_c10d aliases and `modules` where they hold torch.distributed's own functions."""
     posted: list[Posted] = []
     depth = [0]
-    def ours(module, name: str) -> bool:
-        fn = getattr(module, name, None)
-        return callable(fn) and (module in (dist, c10d) or fn is getattr(dist, name, None))
-
-    saved = [(m, n, getattr(m, n)) for n in COUNTED for m in (dist, c10d, *modules) if ours(m, n)]
 
     def wrap(name, fn):
         def call(*args, **kwargs):
@@ -155,14 +151,8 @@ def collectives(*modules) -> Iterator[list[Posted]]:
                 depth[0] -= 1
         return call
 
-    wrapped: dict[int, object] = {}
-    for module, name, fn in saved:
-        setattr(module, name, wrapped.setdefault(id(fn), wrap(name, fn)))
-    try:
+    with patch_dist({name: partial(wrap, name) for name in COUNTED}, also=(c10d, *modules)):
         yield posted
-    finally:
-        for module, name, fn in saved:
-            setattr(module, name, fn)
 
 
 # --- in the grader -----------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Chapter 07: the 3D mesh (rank layout, one group per line, validation) and clipping by the true
-global norm of a model split over TP × PP × DP, against torch.nn.utils.clip_grad_norm_."""
+"""Chapter 07: clipping by the true global norm of a model split over TP × PP × DP on the kernel's
+mesh (its layout and groups: tests/test_mesh.py), against torch.nn.utils.clip_grad_norm_."""
 
 from __future__ import annotations
 
@@ -8,79 +8,9 @@ import torch
 import torch.distributed as dist
 
 from common.clip import clip_grads_by_global_norm_
+from common.mesh import MeshShape, coordinates
 from common.model import build_model, get_config
 from parallel3d.memory_model import stage_layers
-from parallel3d.mesh import MeshError, build_mesh, coordinates, group_ranks, mesh_shape
-
-
-def test_rank_layout_tp_innermost_then_dp_then_pp():
-    lines = group_ranks(dp=2, pp=2, tp=2)
-    assert lines["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert lines["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert lines["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert [coordinates(r, 2, 2, 2) for r in (0, 1, 2, 5, 7)] == [  # (dp, pp, cp, tp)
-        (0, 0, 0, 0), (0, 0, 0, 1), (1, 0, 0, 0), (0, 1, 0, 1), (1, 1, 0, 1)]
-
-
-def test_rank_layout_with_cp_between_tp_and_dp():
-    """rank = ((pp·dp + dp_rank)·cp + cp_rank)·tp + tp_rank; FSDP's dp×cp line spans both."""
-    lines = group_ranks(dp=2, pp=1, tp=2, cp=2)
-    assert lines["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert lines["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert lines["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert lines["dp_cp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
-    assert [coordinates(r, 2, 1, 2, cp=2) for r in (0, 3, 6)] == [(0, 0, 0, 0), (0, 0, 1, 1), (1, 0, 1, 0)]
-
-
-@pytest.mark.parametrize("dp, pp, cp, tp", [(1, 1, 1, 8), (8, 1, 1, 1), (1, 8, 1, 1), (2, 2, 1, 2),
-                                            (4, 1, 1, 2), (1, 2, 1, 4), (1, 2, 2, 2), (2, 1, 4, 1)])
-def test_every_rank_is_on_exactly_one_line_of_each_dimension(dp, pp, cp, tp):
-    sizes = {"dp": dp, "pp": pp, "cp": cp, "tp": tp, "dp_cp": dp * cp}
-    for dim, lines in group_ranks(dp, pp, tp, cp).items():
-        assert sorted(r for line in lines for r in line) == list(range(dp * pp * cp * tp)), dim
-        assert all(len(line) == sizes[dim] for line in lines)
-
-
-def test_mesh_shape_infers_dp_and_rejects_bad_products():
-    assert mesh_shape(8, tp=2, pp=2) == (2, 2, 1, 2)
-    assert mesh_shape(8, tp=2) == (4, 1, 1, 2)
-    assert mesh_shape(8, tp=2, pp=2, dp=2) == (2, 2, 1, 2)
-    assert mesh_shape(8, tp=2, cp=2) == (2, 1, 2, 2)
-    with pytest.raises(MeshError, match=r"--dp 2 × --pp 1 × --cp 2 × --tp 4 = 16 != world size 8"):
-        mesh_shape(8, tp=4, dp=2, cp=2)
-    with pytest.raises(MeshError, match=r"--cp 0: must be >= 1"):
-        mesh_shape(8, cp=0)
-    with pytest.raises(MeshError, match=r"--dp 2 × --pp 2 × --tp 4 = 16 != world size 8.*omit --dp"):
-        mesh_shape(8, tp=4, pp=2, dp=2)
-    with pytest.raises(MeshError, match=r"world size 6 is not divisible by --pp 2 × --tp 2 = 4"):
-        mesh_shape(6, tp=2, pp=2)
-    with pytest.raises(MeshError, match=r"--tp 0: must be >= 1"):
-        mesh_shape(8, tp=0)
-
-
-DIMS = ("tp", "cp", "dp", "dp_cp", "pp")
-
-
-def build_and_probe(tp: int, pp: int, cp: int = 1) -> dict:
-    """Each rank: build the mesh, then all-reduce its global rank over each of its groups."""
-    mesh = build_mesh(tp=tp, pp=pp, cp=cp)
-    sums = {}
-    for dim in DIMS:
-        x = torch.tensor([float(mesh.rank)])
-        dist.all_reduce(x, group=mesh.groups[dim])
-        sums[dim] = x.item()
-    return {"coords": mesh.coordinates, "ranks": mesh.ranks, "sums": sums}
-
-
-@pytest.mark.parametrize("tp, pp, cp", [(2, 2, 1), (2, 1, 2)])
-def test_mesh_groups_connect_the_right_ranks(pools, tp, pp, cp):
-    results = pools.run(8, build_and_probe, tp, pp, cp)
-    for rank, r in enumerate(results):
-        assert r["coords"] == coordinates(rank, 8 // (tp * pp * cp), pp, tp, cp)
-        for dim in DIMS:
-            assert rank in r["ranks"][dim]
-            assert r["sums"][dim] == sum(r["ranks"][dim]), (rank, dim)
-
 
 # --- clipping --------------------------------------------------------------------------------
 
@@ -107,7 +37,8 @@ def local_pieces(grads: dict[str, torch.Tensor], dp: int, pp: int, tp: int, dp_s
     """This rank's pieces of the full gradients as a 3D trainer holds them: its stage's tensors,
     TP-split along dim 0 (norm weights whole on every TP rank), each flattened and cut into dp
     shards (or whole on every DP rank). Returns {name: (piece, counted, slice of the flat tensor)}."""
-    dp_rank, pp_rank, _, tp_rank = coordinates(dist.get_rank(), dp, pp, tp)
+    at = coordinates(dist.get_rank(), MeshShape(pp=pp, dp_shard=dp, tp=tp))
+    dp_rank, pp_rank, tp_rank = at.dp, at.pp, at.tp
     out = {}
     for name, g in grads.items():
         if stage_of(name, 4, pp) != pp_rank:

@@ -1,4 +1,4 @@
-"""Chapter 07's pieces from a user's own training loop, not the shared one: build_mesh,
+"""Chapter 07's pieces from a user's own training loop, not the shared one: the kernel's mesh,
 parallelize_3d with plain arguments (Parallel3DConfig), a torch optimizer, 06's executor for the
 step, clip_grad_norm_3d, optimizer.step. Trained this way the 3D model equals single-device
 training (float64, 1e-10); the same loop clipping with torch's own clip_grad_norm_ over the local
@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from common.mesh import build_mesh, mesh_shape
 from common.model import LlamaConfig, build_model
 from common.reference import TOLERANCE
 from parallel3d import (
     Parallel3DConfig,
     activation_shape,
-    build_mesh,
     clip_grad_norm_3d,
     gather_full,
     parallelize_3d,
@@ -36,7 +36,7 @@ def users_own_loop(spec: TrainSpec, sizes: tuple[int, int, int, int], config: Pa
     """Every rank: a plain loop over the recipe's pieces, on the process group the pool holds."""
     dp, pp, cp, tp = sizes
     device = torch.device("cpu")
-    mesh = build_mesh(tp=tp, pp=pp, dp=dp, cp=cp)
+    mesh = build_mesh(mesh_shape(dist.get_world_size(), tp=tp, pp=pp, dp=dp, cp=cp))
     model = build_model(spec.cfg, dtype=torch.float64, device="meta")
     chunks, tp_specs = parallelize_3d(model, mesh, config, device)
     shards = shard_map(chunks, tp_specs, mesh)

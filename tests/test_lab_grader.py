@@ -7,6 +7,7 @@ wrong in one way."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from common import lab_docs
 from common.diagnosis import close, first_difference
-from common.grader import ROOT, grade_module, main
+from common.grader import ROOT, check_name, describe, grade_module, lab_module, lab_names, main
 from common.lab_rank import trace_ops
 from tests.labs import plant
 
@@ -137,9 +138,24 @@ def test_exit_status_is_one_when_a_verdict_fails_and_zero_when_all_pass(tmp_path
     assert make.returncode != 0 and "✗ the owner's slice" in make.stdout, make.stdout + make.stderr
 
 
-@pytest.mark.parametrize("chapter", lab_docs.CHAPTERS)
-def test_every_readme_says_what_its_labs_grade(chapter):
-    text = lab_docs.readme(chapter).read_text(encoding="utf-8")
-    assert lab_docs.current(text) == lab_docs.block(chapter), (
-        f"{lab_docs.readme(chapter).relative_to(ROOT)}: its lab-graded block is not what the graders "
-        "check: python -m common.lab_docs --write")
+LABS = [(chapter, lab) for chapter in lab_docs.CHAPTERS for lab in lab_names(chapter)]
+
+
+@pytest.mark.parametrize(("chapter", "lab"), LABS, ids=lambda x: str(x or "main"))
+def test_every_lab_says_what_it_grades_on_one_page(chapter, lab):
+    """A chapter's main lab in its README, a named lab on one page of its chapter (markers carrying
+    its name); the block is what the checks grade: every property with every check by name, and,
+    off the README (whose length is capped), every check's statement."""
+    homes = lab_docs.homes(chapter, lab)
+    assert len(homes) == 1, f"chapter {chapter}, lab {lab or '(main)'}: its block is on {homes}, not one page"
+    (page,) = homes
+    assert lab or page == lab_docs.readme(chapter), f"{page}: a chapter's main lab is graded in its README"
+    assert lab_docs.current(page.read_text(encoding="utf-8"), lab) == lab_docs.expected(chapter, lab, page), (
+        f"{page.relative_to(ROOT)}: its lab-graded block is not what the graders check: "
+        "python -m common.lab_docs --write")
+    compact, full = (" ".join(lab_docs.block(chapter, lab, full=f).split()) for f in (False, True))
+    properties = importlib.import_module(lab_module(chapter, lab)).PROPERTIES
+    for k, prop in enumerate(properties, 1):
+        item = compact.split(f"{k}. **{prop.name}**")[1].split(f"{k + 1}. **")[0]
+        for check in prop.checks:
+            assert lab_docs.label(check) in item and describe(check) in full, (prop.name, check_name(check))
