@@ -100,6 +100,15 @@ class AllToAllDispatcher:
         return unpermute(returned, plan)
 
 
+def all_to_all_bytes(sent: int, received: int, dim: int, e: int, ep: int, n_experts: int,
+                     backward: bool = True) -> float:
+    """Wire bytes one rank sends for one dispatch + combine: the count exchange (ep-1)/ep · E · 8
+    (int64), `sent` rows of dim·e bytes out (dispatch) and `received` back (combine); their
+    backward sends the same rows again the other way: (1 + backward)·(A + B)·dim·e + counts."""
+    counts = (ep - 1) / ep * n_experts * 8
+    return counts + (2 if backward else 1) * (sent + received) * dim * e
+
+
 def expert_parallel(model: nn.Module, group) -> list[MoEFeedForward]:
     """Every MoE layer of `model` (a model, a block or a layer) keeps only this rank's experts
     [r·E/ep, (r+1)·E/ep) and dispatches by all-to-all over `group`, in place. Checks before any

@@ -38,7 +38,7 @@ from common.moe import RoutingPlan
 from common.optimizer_bytes import optimizer_state_bytes
 from common.reference import make_optimizer
 from common.training import Strategy
-from tensor_parallel.expert_parallel import AllToAllDispatcher, expert_parallel
+from tensor_parallel.expert_parallel import AllToAllDispatcher, all_to_all_bytes, expert_parallel
 from tensor_parallel.formulas import Shape, microbatch_comm_bytes
 from tensor_parallel.moe_tensor_parallel import parallelize_moe_llama, router_grad_bytes
 from tensor_parallel.parallelize import check_tp_sizes, vocab_parallel_loss
@@ -191,9 +191,9 @@ class ExpertParallelStrategy(Strategy):
             layer.dispatcher.log = []
 
     def all_to_all_formula(self) -> float:
-        """Σ over dispatches of 2(A+B)·dim·e + the counts' (ep-1)/ep · E · 8."""
-        counts = (self.ep - 1) / self.ep * self.n_experts * 8
-        return sum(2 * (a + b) * self.dim * self.e + counts for step in self.steps_log for a, b, _ in step)
+        """Σ over dispatches of 2(A+B)·dim·e + the counts' (ep-1)/ep · E · 8 (all_to_all_bytes)."""
+        return sum(all_to_all_bytes(a, b, self.dim, self.e, self.ep, self.n_experts)
+                   for step in self.steps_log for a, b, _ in step)
 
     def formulas(self, steps: int) -> tuple[float, dict[str, float]]:
         """Per rank: the all-to-alls + per step 2(d-1)/d·P_rest·e_r + 2(g-1)/g·P_experts·e_r
