@@ -1,7 +1,8 @@
-"""05_tensor_parallel/train.py on a MoE model: expert parallelism (train_expert.py) trains tiny-moe
-exactly like one device (float64, --check at 1e-10, with clipping and gradient accumulation), the
-meter's all-to-all bytes equal the formula from the routing counts, the report's load imbalance
-is the max/mean of its rows per rank; bad --ep / --tp / --cp fail on every rank before any collective."""
+"""05_tensor_parallel/train.py on a MoE model: expert parallelism (train_expert.py), alone or with
+every expert cut over TP (moe_tensor_parallel.py, with and without SP), trains tiny-moe exactly
+like one device (float64, --check at 1e-10, with clipping and gradient accumulation), the meter's
+all-to-all bytes equal the formula from the routing counts, the report's load imbalance is the
+max/mean of its rows per rank; bad --ep / --tp / --cp fail on every rank before any collective."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def train_cli(argv: list[str]) -> dict:
 
 
 @pytest.mark.parametrize("world, flags", [(2, ["--ep", "2", "--clip-grad", "0.5", "--grad-accum", "2"]),
-                                          (4, ["--ep", "2"])])
+                                          (4, ["--ep", "2"]),
+                                          (4, ["--tp", "2", "--sequence-parallel", "--clip-grad", "0.05"])])
 def test_train_check_passes_and_report_matches_formulas(pools, world, flags):
     argv = ["--model", "tiny-moe", "--dtype", "float64", "--steps", "2", "--global-batch", "4",
             "--seq-len", "8", "--check", "--data", "synthetic", "--log-every", "0", *flags]
@@ -31,7 +33,8 @@ def test_train_check_passes_and_report_matches_formulas(pools, world, flags):
     report = reports[0]
     assert all(r["check_passed"] for r in reports)
     assert report["max_grad_diff"] < 1e-12
-    assert report["mesh"] == {"dp": world, "ep": 2}
+    tp = 2 if "--tp" in flags else 1
+    assert report["mesh"] == ({"dp": world, "ep": 2} if tp == 1 else {"dp": 2, "tp": 2, "ep": 2})
     assert report["comm_bytes_per_rank"] == pytest.approx(report["comm_bytes_formula"], rel=1e-12)
     for r in reports:  # each rank's all-to-all bytes: its own routing counts
         sent = r["comm"]["all_to_all_single"]["bytes"]
@@ -40,7 +43,7 @@ def test_train_check_passes_and_report_matches_formulas(pools, world, flags):
         assert report["memory"][key] == pytest.approx(report["memory_formula"][key], rel=1e-12), key
     rows = report["ep_rows_per_rank"]
     for step, imbalance in zip(rows, report["ep_load_imbalance"], strict=True):
-        groups = [step[i:i + 2] for i in range(0, world, 2)]
+        groups = [step[i:i + 2] for i in range(0, world // tp, 2)]
         assert imbalance == pytest.approx(max(max(g) / (sum(g) / 2) for g in groups))
 
 
@@ -52,12 +55,13 @@ def validate_argv(argv: list[str], n_experts: int | None = None):
 
 @pytest.mark.parametrize("argv, n_experts, message", [
     (["--model", "tiny-moe", "--ep", "3"], None,
-     r"--ep 3 does not divide the world of 4 ranks .*: use one of --ep 1, 2, 4"),
+     r"--ep 3 does not divide the 4 ranks it borrows .*: use one of --ep 1, 2, 4$"),
     (["--model", "tiny-moe", "--ep", "4"], 6,
-     r"--ep 4 does not divide the 6 experts of --model tiny-moe .*: use one of --ep 1, 2$"),
-    (["--model", "tiny-moe", "--tp", "2"], None,
-     r"mixture-of-experts model: .* not --tp 2 --cp 1 .*use --tp 1 --cp 1"),
-    (["--model", "tiny-moe", "--cp", "2"], None, r"not --tp None --cp 2 .*use --tp 1 --cp 1"),
+     r"--ep 4 does not divide the 6 experts .*: use one of --ep 1, 2$"),
+    (["--model", "tiny-moe"], 6, r"--ep 4 does not divide the 6 experts .*\(--ep defaults to every"),
+    (["--model", "tiny-moe", "--tp", "2", "--ep", "4"], None,
+     r"--ep 4 does not divide the 2 ranks it borrows .*: use one of --ep 1, 2$"),
+    (["--model", "tiny-moe", "--cp", "2"], None, r"mixture-of-experts model: not --cp 2 .*use --cp 1"),
     (["--model", "tiny", "--ep", "2"], None, r"--ep 2 with --model tiny: the model has no experts"),
 ])
 def test_bad_input_fails_on_every_rank_before_any_collective(pools, argv, n_experts, message):
