@@ -76,5 +76,5 @@ def test_context_parallelism_and_the_dense_plan_refuse_a_moe_model():
     the MoE plan (moe_tensor_parallel.parallelize_moe_llama) for a caller that skips validate."""
     with pytest.raises(ConfigError, match=r"--model tiny-moe is a mixture-of-experts model: not --cp 2"):
         validate(parse_args(["--model", "tiny-moe", "--cp", "2"]), 2)
-    with pytest.raises(ValueError, match="mixture-of-experts.*parallelize_moe_llama"):
+    with pytest.raises(ValueError, match=r"mixture-of-experts.*parallelize_moe_llama"):
         parallelize_llama(build_model(get_config("tiny-moe"), device="meta"), tp_group=None)
