@@ -1,8 +1,9 @@
 """Chapter 07 with expert parallelism and HSDP as dimensions of its mesh (experts.py): a MoE LLaMA
 trained over EP × TP × PP (× HSDP's replicas) equals one device in float64 (free-running, 1-3
 steps at 1e-10: routing, capacity, the aux loss, accumulation, clipping); `--check` passes and the
-report's bytes per group (and EP's all-to-alls) equal their formulas; the three classic EP bugs go
-red; every bad combination fails on every rank before any collective."""
+report's bytes per group (and EP's all-to-alls) equal their formulas; the three classic EP bugs
+(and an aux loss counted on every TP rank) go red; every bad combination fails on every rank
+before any collective."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 
 from common.dist import init_distributed
 from common.model import LlamaConfig, get_config
+from common.moe import moe_layers
 from common.training import train
 from fsdp.fully_sharded import FullyShardedDataParallel
 from parallel3d import experts
@@ -148,6 +150,16 @@ class ExpertSliceByGlobalRank(Parallel3DStrategy):
             super().__init__(config, ctx)
 
 
+class AuxLossOnEveryTPRank(Parallel3DStrategy):
+    """Every TP rank backpropagates the whole aux loss (05's TensorParallelMoE without its 1/t):
+    after the router's TP sums it counts t times."""
+
+    def __init__(self, config, ctx):
+        super().__init__(config, ctx)
+        for layer in moe_layers(self.model):
+            layer.tp = 1
+
+
 # SGD at lr 1 (Adam's update hardly sees a clipping coefficient), clipping that clips
 BUG_SPEC = TrainSpec(cfg=moe_config(2, 2, 1), world_size=4, dp=2, global_batch=4, micro_batch=1,
                      seq_len=8, steps=1, optimizer="sgd", lr=1.0, clip_grad=1e-2)
@@ -157,6 +169,7 @@ BUG_SPEC = TrainSpec(cfg=moe_config(2, 2, 1), world_size=4, dp=2, global_batch=4
     (ExpertGradientsDividedByTheirGroup, (1, 4, 1, 1, 2)),  # experts sharded over 2 of the 4
     (NormCountedOverTheWrongGroup, (1, 2, 1, 2, 2)),  # ep = dp_shard: each expert unit on one rank
     (ExpertSliceByGlobalRank, (1, 2, 1, 2, 2)),
+    (AuxLossOnEveryTPRank, (1, 2, 1, 2, 2)),
 ])
 def test_broken_expert_parallelism_is_rejected(pools, broken, mesh):
     R, S, pp, tp, ep = mesh
