@@ -48,6 +48,21 @@ from torch.utils._pytree import tree_map
 
 from .naive import broadcast_module
 
+# torch DistributedDataParallel's other arguments: accepted at torch's default, else refused with the fix
+TORCH_DEFAULTS = {"dim": 0, "init_sync": True, "check_reduction": False, "static_graph": False,
+                  "delay_all_reduce_named_params": None, "param_to_hook_all_reduce": None,
+                  "mixed_precision": None, "device_mesh": None, "skip_all_reduce_unused_params": False}
+TORCH_ONLY = {"dim": "inputs are not scattered (one device per process): drop it",
+              "init_sync": "the module is always broadcast from rank 0 at construction: drop it",
+              "check_reduction": "deprecated in torch: drop it",
+              "static_graph": "buckets are fixed at construction anyway: drop it",
+              "delay_all_reduce_named_params": "every bucket's all-reduce overlaps backward: drop it",
+              "param_to_hook_all_reduce": "every bucket's all-reduce overlaps backward: drop it",
+              "mixed_precision": "pass reduce_dtype=torch.float32 for fp32 buckets of a bf16 model",
+              "device_mesh": "pass process_group=mesh.get_group()",
+              "skip_all_reduce_unused_params": "unused parameters are reduced as zeros "
+                                               "(find_unused_parameters=True)"}
+
 
 @dataclass
 class Bucket:
@@ -84,17 +99,22 @@ class DistributedDataParallel(nn.Module):
                  output_device=None, process_group=None, bucket_cap_mb: float | None = None,
                  find_unused_parameters: bool = False, broadcast_buffers: bool = True,
                  gradient_as_bucket_view: bool = True, all_reduce: Callable | None = None,
-                 reduce_dtype: torch.dtype | None = None):
+                 reduce_dtype: torch.dtype | None = None, **torch_only):
         """`all_reduce`: a drop-in for `dist.all_reduce(tensor, op=, group=, async_op=True)`
         returning a handle with `.wait()`, e.g. chapter 02's `ring_all_reduce`. The gradients are
         always bucket views (`gradient_as_bucket_view=False`, torch's default, gives the same
         numbers there with one more copy); `output_device` is unused, as in torch for a module
-        on one device."""
+        on one device. torch's other arguments (`torch_only`) are refused, each naming its fix."""
+        refused = [f"{k}: {TORCH_ONLY.get(k, 'not an argument of torch DistributedDataParallel')}"
+                   for k, v in torch_only.items() if k not in TORCH_DEFAULTS or v != TORCH_DEFAULTS[k]]
+        if refused:
+            raise TypeError(f"DistributedDataParallel does not implement {'; '.join(refused)}")
         super().__init__()
         if bucket_cap_mb is not None and not bucket_cap_mb >= 0:
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb} must be >= 0 (None: torch's default 25; "
                              "0: a bucket per parameter; math.inf: one bucket)")
-        self.device = self._check_device_ids(module, device_ids)
+        self._input_device = self._check_device_ids(module, device_ids)
+        self.device = next(module.parameters()).device  # torch's: where the module lives
         self.module, self.group, self._all_reduce = module, process_group, all_reduce
         self.world_size = dist.get_world_size(process_group)
         self.find_unused_parameters, self.broadcast_buffers = find_unused_parameters, broadcast_buffers
@@ -139,8 +159,9 @@ class DistributedDataParallel(nn.Module):
         return wanted
 
     def forward(self, *args, **kwargs):
-        if self.device is not None:  # torch moves the inputs to device_ids[0]
-            args, kwargs = tree_map(lambda t: t.to(self.device) if torch.is_tensor(t) else t, (args, kwargs))
+        if self._input_device is not None:  # torch moves the inputs to device_ids[0]
+            to = self._input_device
+            args, kwargs = tree_map(lambda t: t.to(to) if torch.is_tensor(t) else t, (args, kwargs))
         if self.broadcast_buffers and torch.is_grad_enabled():
             src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
             for buffer in self.module.buffers():  # rank 0's running statistics, as torch's DDP

@@ -16,6 +16,7 @@ from common.data import SyntheticTokens, local_micro_batches, split_inputs_targe
 from common.diagnosis import explain, first_difference, steps_pattern
 from common.grader import Property
 from common.model import build_model, get_config, loss_fn
+from common.patch import patch_dist
 from common.reference import make_optimizer, make_reference
 
 TITLE = "bucketed DDP"
@@ -82,14 +83,15 @@ def train(lab, world: int, steps: int = 1, optimizer: str = "sgd", micro: int = 
     data, events, names = SyntheticTokens(CFG.vocab_size, SEQ, seed=0), [], _names(model)
     for p in model.parameters():  # registered after yours: fires after your hook
         p.register_post_accumulate_grad_hook(lambda p: events.append(("grad", names[id(p)])))
-    all_reduce = dist.all_reduce
 
-    def counted(tensor, *args, **kwargs):
-        events.append(("all_reduce", tensor.numel()))
-        return all_reduce(tensor, *args, **kwargs)
+    def counting(all_reduce):
+        def counted(tensor, *args, **kwargs):
+            events.append(("all_reduce", tensor.numel()))
+            return all_reduce(tensor, *args, **kwargs)
+        return counted
 
-    dist.all_reduce, grads = counted, []
-    try:
+    grads = []
+    with patch_dist({"all_reduce": counting}):
         for step in range(steps):
             shards = local_micro_batches(data.global_batch(step, BATCH), rank, world, BATCH // world // micro)
             for i, tokens in enumerate(shards):
@@ -99,8 +101,6 @@ def train(lab, world: int, steps: int = 1, optimizer: str = "sgd", micro: int = 
             grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
             opt.step()
             opt.zero_grad(set_to_none=True)
-    finally:
-        dist.all_reduce = all_reduce
     return {"grads": grads, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "events": events, "buckets": len(ddp.buckets)}
 

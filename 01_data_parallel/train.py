@@ -11,26 +11,37 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from common.cli import DTYPES, BatchLayout, base_parser, batch_layout, model_config, require, validate_common
+from common.cli import base_parser, batch_layout, require, validate_common
 from common.dist import DistContext
 from common.memory import optimizer_state_tensors, storage_bytes
+from common.mesh import mesh_shape
 from common.mixed_precision import MasterWeights
 from common.model import build_model
 from common.optimizer_bytes import optimizer_state_bytes
 from common.reference import make_optimizer
+from common.run import Run, resolve_run
 from common.training import Strategy, run_main
 from data_parallel import DistributedDataParallel, NaiveDataParallel
 
-STRATEGIES: dict[str, Callable[[nn.Module, argparse.Namespace], nn.Module]] = {
-    "naive": lambda model, args: NaiveDataParallel(model),
-    "ddp": lambda model, args: DistributedDataParallel(
-        model, bucket_cap_mb=args.bucket_mb,
-        reduce_dtype=torch.float32 if args.mixed_precision == "bf16" else None),
+Wrap = Callable[[nn.Module, Run], nn.Module]
+STRATEGIES: dict[str, Wrap] = {
+    "naive": lambda model, run: NaiveDataParallel(model),
+    "ddp": lambda model, run: DistributedDataParallel(
+        model, bucket_cap_mb=run.options.bucket_mb, reduce_dtype=torch.float32 if run.mixed else None),
 }
+
+
+@dataclass(frozen=True)
+class DataParallelOptions:
+    """The chapter's resolved flags (the run's `options`)."""
+
+    strategy: str = "ddp"  # naive | ddp
+    bucket_mb: float = 25.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,8 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
-    """Everything that can be wrong with the input, checked before any collective."""
+def validate(args: argparse.Namespace, world_size: int) -> Run:
+    """Everything that can be wrong with the input, checked before any collective; the run."""
     validate_common(args)
     require(args.strategy in STRATEGIES,
             f"--strategy {args.strategy!r} is unknown: use one of {', '.join(STRATEGIES)}")
@@ -49,7 +60,8 @@ def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
     require(args.mixed_precision == "none" or args.strategy != "naive",
             "--mixed-precision bf16 with --strategy naive: the naive version reduces in the "
             "parameter dtype; use --strategy ddp (fp32 gradient buckets)")
-    return batch_layout(args.global_batch, world_size, args.micro_batch, args.grad_accum)
+    return resolve_run(args, mesh_shape(world_size), batch_layout(args.global_batch, world_size,
+                       args.micro_batch, args.grad_accum), DataParallelOptions(args.strategy, args.bucket_mb))
 
 
 class DataParallelStrategy(Strategy):
@@ -58,17 +70,16 @@ class DataParallelStrategy(Strategy):
     averaged gradient). In mixed precision the model computes in bf16, DDP reduces fp32
     `main_grad`s, and AdamW updates an fp32 master copy."""
 
-    def __init__(self, args: argparse.Namespace, ctx: DistContext,
-                 wrap: Callable[[nn.Module, argparse.Namespace], nn.Module]):
-        cfg, self.mixed = model_config(args), args.mixed_precision == "bf16"
-        module = build_model(cfg, args.seed, torch.bfloat16 if self.mixed else DTYPES[args.dtype], ctx.device)
-        self.model = wrap(module, args)
+    def __init__(self, run: Run, ctx: DistContext, wrap: Wrap):
+        self.mixed = run.mixed
+        module = build_model(run.model, run.seed, run.compute_dtype, ctx.device)
+        self.model = wrap(module, run)
         self.names = [n for n, _ in module.named_parameters()]
         self.weights = MasterWeights(module.parameters(), enabled=self.mixed)
-        self.optimizer = make_optimizer(self.weights.master, args.optimizer, args.lr)
-        self.name, self.clip_grad = getattr(args, "strategy", "ddp"), args.clip_grad
+        self.optimizer = make_optimizer(self.weights.master, run.optimizer, run.lr)
+        self.name, self.clip_grad = run.options.strategy, run.clip_grad
         self.mesh, self.dp_rank, self.dp_size = {"dp": ctx.world_size}, ctx.rank, ctx.world_size
-        self.optimizer_name, self.param_itemsize = args.optimizer, module.output.weight.itemsize
+        self.optimizer_name, self.param_itemsize = run.optimizer, module.output.weight.itemsize
         self.reduce_itemsize = 4 if self.mixed else self.param_itemsize
 
     def after_backward(self) -> None:
@@ -113,8 +124,17 @@ class DataParallelStrategy(Strategy):
         return comm, {"params": P * self.param_itemsize, "grads": P * self.reduce_itemsize, "optimizer": opt}
 
 
-def build(args: argparse.Namespace, ctx: DistContext, layout: BatchLayout) -> Strategy:
-    return DataParallelStrategy(args, ctx, STRATEGIES[args.strategy])
+def overlap_tokens(n: int, grad_bytes: int, flops: float, busbw: float) -> float:
+    """Tokens per rank above which the gradient all-reduce fits under backward (the Ultra-Scale
+    Playbook's overlap condition). Backward costs ≈ 4·P·t FLOPs at `flops` FLOP/s; the all-reduce
+    moves 2(n-1)/n·P·b bytes at `busbw` bytes/s; P cancels:
+
+        2(n-1)/n · P·b / B  ≤  4·P·t / F      ⇔      t ≥ (n-1)/n · b·F / (2B)"""
+    return (n - 1) / n * grad_bytes * flops / (2 * busbw)
+
+
+def build(run: Run, ctx: DistContext) -> Strategy:
+    return DataParallelStrategy(run, ctx, STRATEGIES[run.options.strategy])
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ SEGMENTS = {"ring": SEGMENT_BYTES, "naive": None, "builtin": None}
 
 
 def terms(algorithm: str, size_bytes: int, n: int) -> tuple[float, float]:
-    """(messages, bytes) the alpha-beta model charges `algorithm` for one all-reduce."""
+    """(latencies, bytes) the alpha-beta model charges `algorithm` for one all-reduce."""
     if MODEL[algorithm] == "ring":
         return ring_terms(size_bytes, n, SEGMENTS[algorithm])
     return naive_terms(size_bytes, n)
@@ -202,9 +202,9 @@ def report(rows: list[dict], algorithms: list[str], plot_path: str, world_size: 
     print(table(rows, algorithms))
     worlds = sorted({r["n"] for r in rows})
     if models:
-        print("\nalpha-beta fit, T = messages·alpha + bytes·beta (ring: 2(n-1)·⌈S/n/segment⌉ messages, "
-              "builtin: 2(n-1), both 2(n-1)/n·S bytes; naive: 2(n-1), 2(n-1)·S), alpha in µs, "
-              "1/beta in GB/s:")
+        print("\nalpha-beta fit, T = latencies·alpha + bytes·beta (ring: 2(n-1)·⌈S/n/segment⌉ messages, "
+              "builtin: 2(n-1), both 2(n-1)/n·S bytes; naive: 2 (its messages travel at once), "
+              "2(n-1)·S), alpha in µs, 1/beta in GB/s:")
         print(" " * 10 + "".join(f"{'n = ' + str(n):>22}" for n in worlds))
     else:
         print("\nalpha-beta fit skipped: it needs at least two sizes (--sizes), this run measured one")

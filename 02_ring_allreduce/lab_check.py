@@ -25,6 +25,7 @@ from common.diagnosis import explain, first_difference, uneven_pattern
 from common.grader import Property
 from common.model import build_model, get_config, loss_fn
 from common.p2p_plan import P2PRecorder
+from common.patch import patch_dist
 from common.reference import make_optimizer, make_reference
 
 TITLE = "ring reduce-scatter, all-gather and all-reduce"
@@ -95,11 +96,9 @@ def calling(name: str, world: int, length: int | None) -> Iterator[P2PRecorder]:
                            "them waits for ever. Post each step's send and receive as P2POps in one "
                            "dist.batch_isend_irecv group")
 
-    saved = [(m, n, getattr(m, n)) for n in ("send", "recv") for m in (dist, c10d)]
-    for module, fn_name, _ in saved:
-        setattr(module, fn_name, refused)
     try:
-        with P2PRecorder() as recorder:
+        with patch_dist({"send": lambda _: refused, "recv": lambda _: refused}, also=(c10d,)), \
+                P2PRecorder() as recorder:
             yield recorder
     except NotImplementedError:
         raise
@@ -108,9 +107,6 @@ def calling(name: str, world: int, length: int | None) -> Iterator[P2PRecorder]:
             f"{[b - a for a, b in bounds(length, world)]})"
         raise RuntimeError(f"{name}{where} at world {world}, rank {dist.get_rank()}: "
                            f"{type(error).__name__}: {error}") from error
-    finally:
-        for module, fn_name, fn in saved:
-            setattr(module, fn_name, fn)
 
 
 def sent_bytes(recorder: P2PRecorder) -> int:

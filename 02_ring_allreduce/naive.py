@@ -4,10 +4,12 @@
     the root reduces, then sends the result to each of them  the root sends    (n-1) · S
 
 The other ranks each send and receive only S, but they all wait on the root, whose link carries
-(n-1)·S each way: the time grows linearly with n, where the ring's stays near 2S/bandwidth. It
-takes 2(n-1) messages through the root, the same count as the ring's 2(n-1) steps, so for tiny
-tensors (latency-bound) the two cost about the same. Built on blocking `dist.send`/`dist.recv`,
-the root receiving into one scratch buffer, one peer after the other.
+(n-1)·S each way: the time grows linearly with n, where the ring's stays near 2S/bandwidth. Its
+messages do not wait for each other: the n-1 senders send at once, and the root's n-1 replies
+leave back to back, so it pays about two latencies where the ring pays 2(n-1) dependent steps;
+for tiny tensors (latency-bound) it is the faster of the two (cost_model.py's `crossover_bytes`).
+Built on blocking `dist.send`/`dist.recv`, the root receiving into one scratch buffer, one peer
+after the other.
 """
 
 from __future__ import annotations

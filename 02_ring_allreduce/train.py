@@ -14,17 +14,20 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from common.bench import seconds_per_call
-from common.cli import BatchLayout, base_parser, batch_layout, require, validate_common
+from common.cli import base_parser, batch_layout, require, validate_common
 from common.dist import DistContext
+from common.mesh import mesh_shape
+from common.run import Run, resolve_run
 from common.training import Strategy, run_main
 from data_parallel import DistributedDataParallel
-from data_parallel.train import DataParallelStrategy
+from data_parallel.train import DataParallelOptions, DataParallelStrategy
 from ring_allreduce import TIMED_ALL_REDUCES as TIMED
 from ring_allreduce.agreement import CHECK_BYTES  # the call check's message (check=True)
 from ring_allreduce.cost_model import bus_bandwidth
@@ -45,14 +48,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
-    """Everything that can be wrong with the input, checked before any collective."""
+@dataclass(frozen=True)
+class RingOptions(DataParallelOptions):
+    """Chapter 01's options (its DDP, with --bucket-mb) and this chapter's own."""
+
+    algorithm: str = "ring"  # the DDP all-reduce: ring | naive | builtin
+    bench_mb: float = 16.0  # the speed comparison's tensor (0: skipped)
+
+
+def validate(args: argparse.Namespace, world_size: int) -> Run:
+    """Everything that can be wrong with the input, checked before any collective; the run."""
     validate_common(args)
     require(args.algorithm in ALGORITHMS,
             f"--algorithm {args.algorithm!r} is unknown: use one of {', '.join(ALGORITHMS)}")
     require(args.bucket_mb > 0, f"--bucket-mb {args.bucket_mb}: must be > 0 (torch's default is 25)")
     require(args.bench_mb >= 0, f"--bench-mb {args.bench_mb}: must be >= 0 (0 skips the speed test)")
-    return batch_layout(args.global_batch, world_size, args.micro_batch, args.grad_accum)
+    layout = batch_layout(args.global_batch, world_size, args.micro_batch, args.grad_accum)
+    options = RingOptions(bucket_mb=args.bucket_mb, algorithm=args.algorithm, bench_mb=args.bench_mb)
+    return resolve_run(args, mesh_shape(world_size), layout, options)
 
 
 def verify_against_builtin(seed: int, device: torch.device) -> dict:
@@ -119,13 +132,13 @@ class RingDataParallelStrategy(DataParallelStrategy):
     ring and the naive all-reduce check the call on the first step only: DDP's buckets are fixed
     at construction, so later steps repeat calls that every rank already agreed on."""
 
-    def __init__(self, args: argparse.Namespace, ctx: DistContext):
-        self.algorithm, self.rank = args.algorithm, ctx.rank
-        fn = ALGORITHMS[args.algorithm]
-        super().__init__(args, ctx, lambda model, a: DistributedDataParallel(
-            model, bucket_cap_mb=a.bucket_mb, all_reduce=CheckOncePerShape(fn) if fn else None,
-            reduce_dtype=torch.float32 if a.mixed_precision == "bf16" else None))
-        self.name = f"ddp+{args.algorithm}"
+    def __init__(self, run: Run, ctx: DistContext):
+        self.algorithm, self.rank = run.options.algorithm, ctx.rank
+        fn = ALGORITHMS[self.algorithm]
+        super().__init__(run, ctx, lambda model, r: DistributedDataParallel(
+            model, bucket_cap_mb=r.options.bucket_mb, all_reduce=CheckOncePerShape(fn) if fn else None,
+            reduce_dtype=torch.float32 if r.mixed else None))
+        self.name = f"ddp+{self.algorithm}"
 
     def formulas(self, steps: int) -> tuple[float, dict[str, float]]:
         buckets = [(b.buffer.numel(), b.buffer.dtype) for b in self.model.buckets]
@@ -136,14 +149,15 @@ class RingDataParallelStrategy(DataParallelStrategy):
         return {"buckets": len(self.model.buckets)}
 
 
-def build(args: argparse.Namespace, ctx: DistContext, layout: BatchLayout) -> Strategy:
-    return RingDataParallelStrategy(args, ctx)
+def build(run: Run, ctx: DistContext) -> Strategy:
+    return RingDataParallelStrategy(run, ctx)
 
 
-def verify_and_time(args: argparse.Namespace, ctx: DistContext) -> dict:
+def verify_and_time(run: Run, ctx: DistContext) -> dict:
     """Before training: the ring against dist.all_reduce, then the bandwidth comparison."""
-    verification = verify_against_builtin(args.seed, ctx.device)
-    bandwidth = compare_bandwidth(args.bench_mb, ctx.device) if args.bench_mb > 0 else {}
+    verification = verify_against_builtin(run.seed, ctx.device)
+    bench_mb = run.options.bench_mb
+    bandwidth = compare_bandwidth(bench_mb, ctx.device) if bench_mb > 0 else {}
     extras = {"ring_vs_builtin": verification, "bandwidth": bandwidth}
     if ctx.is_main:
         print_extras(extras, ctx.world_size)

@@ -194,7 +194,7 @@ class FlatGroup:
             self.work = dist.all_reduce(self.grad_flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
         else:
             self.recv = torch.empty(self.shard_size, dtype=self.grad_flat.dtype, device=self.grad_flat.device)
-            self.work = reduce_scatter_single(self.recv, self.grad_flat, group, async_op=True)
+            self.work = reduce_scatter_single(self.recv, self.grad_flat, group=group, async_op=True)
 
     def complete(self, n: int) -> None:
         """After the reduction landed: shard += sum / n (never ReduceOp.AVG), plus what was moved

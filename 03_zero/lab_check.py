@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,7 @@ from common.data import SyntheticTokens, local_micro_batches, split_inputs_targe
 from common.diagnosis import explain, first_difference, steps_pattern
 from common.grader import Property
 from common.model import build_model, get_config, loss_fn
+from common.patch import patch_dist
 from common.reference import make_reference
 
 TITLE = "the ZeRO-2 step"
@@ -53,7 +55,6 @@ def counted_collectives() -> Iterator[list[tuple[str, int]]]:
     """Every collective posted through torch.distributed inside, as (name, elements of its largest
     tensor argument): the flat buffer for a reduce-scatter (its input) or an all-gather (its output)."""
     ops: list[tuple[str, int]] = []
-    saved = [(name, getattr(dist, name)) for name in COLLECTIVES if hasattr(dist, name)]
 
     def wrap(name, fn):
         def call(*args, **kwargs):
@@ -64,13 +65,8 @@ def counted_collectives() -> Iterator[list[tuple[str, int]]]:
             return fn(*args, **kwargs)
         return call
 
-    for name, fn in saved:
-        setattr(dist, name, wrap(name, fn))
-    try:
+    with patch_dist({name: partial(wrap, name) for name in COLLECTIVES}):
         yield ops
-    finally:
-        for name, fn in saved:
-            setattr(dist, name, fn)
 
 
 def _grad(zero) -> torch.Tensor | None:

@@ -4,6 +4,9 @@
                         torch.optim.AdamW, stage=2, lr=3e-4, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=1000)
     loss.backward(); opt.clip_grad_norm_(1.0); opt.step(); sched.step(); opt.zero_grad()
+    opt.consolidate_state_dict(to=0)                      # every rank (a collective); then
+    if rank == 0: torch.save(opt.state_dict(), path)      # and to resume, on every rank:
+    opt.load_state_dict(torch.load(path))
 
 Per rank, for Ψ parameters on N ranks, b_p / b_g bytes per parameter / gradient element and K
 bytes of optimizer state per parameter (mixed-precision AdamW: fp32 master 4 + m 4 + v 4 = 12):
@@ -33,9 +36,9 @@ whose every read raises, naming the fix (`opt.clip_grad_norm_(max_norm)`). `mode
 Ownership "slice" (default): rank r owns [r·s, (r+1)·s) of each bucket, crossing parameter
 boundaries, so only an element-wise optimizer (`ELEMENTWISE`) is exact and any other is refused;
 "parameter": whole tensors, largest first to the least-loaded rank (`flat.assign_owners`), for any
-optimizer. Offload: [`offload.py`](offload.py); consolidated `state_dict()` / `load_state_dict()`
-in torch's per-parameter format: [`optimizer_state.py`](optimizer_state.py). Depends only on
-torch, common/clip.py and common/collectives.py.
+optimizer. Offload: [`offload.py`](offload.py); checkpoints (torch's ZeroRedundancyOptimizer pair,
+above) in torch's per-parameter format: [`optimizer_state.py`](optimizer_state.py). Depends only
+on torch, common/clip.py and common/collectives.py.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     (reduce while backward runs), `contiguous_gradients` (stage 2: one buffer for every shard),
     `bf16` (an fp32 model computes in bf16 with fp32 masters and fp32 reduction),
     `offload_optimizer` (master, state and step on the CPU), `pin_memory`. Building it and
-    `add_param_group` are collectives, and so are `step`, `clip_grad_norm_` and `state_dict`.
+    `add_param_group` are collectives, and so are `step`, `clip_grad_norm_` and `consolidate_state_dict`.
     For `ZeroEngine` (stage 3): `param_names` ({param: name}, for messages), `units`,
     `offload_param`, `init_values_fn` and `device` (a model built on the meta device)."""
 
@@ -94,6 +97,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{key}={value!r}: a whole number of elements >= 1 (DeepSpeed's 5e8)")
         if offload_param and stage != 3:
             raise ValueError(f"offload_param=True with stage {stage}: only stage 3 partitions the parameters")
+        for key in ("parameters_as_bucket_view", "overlap_with_ddp"):  # ZeroRedundancyOptimizer's, False
+            if defaults.pop(key, False):
+                raise NotImplementedError(f"{key}=True is not implemented here: ZeroOptimizer keeps its own "
+                                          "flat buckets and overlaps its reductions with backward; drop it")
         self.stage, self.group, self.ownership = stage, process_group, ownership
         self.world, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
         self.shard_world, self.shard_rank = (1, 0) if stage == 0 else (self.world, self.rank)
@@ -112,7 +119,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.pieces: optimizer_state.Pieces = []  # (inner tensor, flat group index, param index | None)
         self._slot: dict[nn.Parameter, tuple[FlatGroup, int]] = {}
         self.require_backward_grad_sync = True  # torch DDP's name; no_sync() turns it off
-        self._pending, self._next = False, 0
+        self._pending, self._next, self._consolidated = False, 0, None  # _consolidated: state_dict()'s
         super().__init__(params, defaults)
 
     # --- layout -------------------------------------------------------------------------------
@@ -147,19 +154,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for g in groups:
             for i, p in enumerate(g.params):
                 self._slot[p] = (g, i)
-                p.register_hook(lambda grad, p=p: self._before_accumulation(p))
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                for handle in getattr(p, "_zero_hooks", ()):  # a new optimizer over them takes over
+                    handle.remove()
+                    p.grad = None  # the old one's unreadable ShardedGrad: a zero gradient, for torch
+                p._zero_hooks = (p.register_hook(lambda grad, p=p: self._before_accumulation(p)),
+                                 p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
     def _choose_dtypes(self, first: nn.Parameter) -> None:
-        cpu = torch.device("cpu")
         self.param_dtype, self.device = first.dtype, self.device or first.device
         if self.bf16 and first.dtype != torch.float32:
             raise ValueError(f"bf16 mixed precision takes an fp32 model (the fp32 master weights "
                              f"come from it); got {first.dtype}")
         self.compute_dtype = torch.bfloat16 if self.bf16 else first.dtype
         self.master_dtype = self.reduce_dtype = torch.float32 if self.bf16 else first.dtype
-        self.offload_device = cpu if self.offload_optimizer else self.device
-        self.param_device = cpu if self.offload_param else self.device
+        self.offload_device = torch.device("cpu") if self.offload_optimizer else self.device
+        self.param_device = torch.device("cpu") if self.offload_param else self.device
 
     def _layout(self, named: list[tuple[str, nn.Parameter]]) -> list[FlatGroup]:
         """Stages 0-2: reduce buckets (stage 0 "shards" over one rank: each owns everything);
@@ -217,8 +226,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                          f"stage {self.stage}: each of the {self.world} ranks holds only its reduced slice")
 
     def _require_elementwise(self) -> None:
-        cls = type(self.optim)
-        if self.ownership == "slice" and cls not in ELEMENTWISE:
+        if self.ownership == "slice" and (cls := type(self.optim)) not in ELEMENTWISE:
             raise ValueError(
                 f"{cls.__name__} is not element-wise, and ZeRO's slices are 1-D pieces that cross "
                 f"parameter boundaries: it would step shapes no single-device run has (silently "
@@ -271,8 +279,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 self._launch_ready()
 
     def _launch_ready(self) -> None:
-        """Launch complete groups strictly in `reduce_order`, so every rank issues the same
-        collectives in the same order whatever order autograd finished them in."""
+        """Complete groups strictly in `reduce_order`: every rank posts the same collectives in order."""
         while self._next < len(self.reduce_order):
             g = self.reduce_order[self._next]
             if len(g.ready) < len(g.params):
@@ -328,10 +335,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Step the inner optimizer on this rank's masters (with `param_groups`' current settings)
         and bring every rank's parameters up to date. `closure` (forward + backward) runs first."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
         if not self._require_reduced("step()"):
             return loss
         for outer, inner in zip(self.param_groups, self.optim.param_groups, strict=True):
@@ -350,39 +355,34 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for g in self.flat_groups:
             if g.master is not g.shard:  # fp32 master → bf16 shard; host → device
                 g.shard.copy_(g.master, non_blocking=True)
-        self._gather_updated_parameters()
+        if self.stage > 0:  # every owner's updated slice into every rank's (persistent) flat groups
+            flat.all_gather_shards(self.flat_groups, self.group, self.allgather_bucket_size)
         return loss
 
-    def _gather_updated_parameters(self) -> None:
-        """Stages 1-2 (and stage 3's persistent groups): every owner's updated slice into every
-        rank's flat parameters."""
-        if self.stage > 0:
-            flat.all_gather_shards(self.flat_groups, self.group, self.allgather_bucket_size)
-
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradient buffers (and any no_sync accumulation); `set_to_none` also sets
-        every p.grad to None, as torch's does."""
+        """Zero the gradient buffers (and no_sync's); `set_to_none`: every p.grad None, as torch's."""
         for g in self.flat_groups:
             g.zero_grad()
-            if set_to_none:
-                for p in g.params:
-                    p.grad = None
+            for p in g.params if set_to_none else ():
+                p.grad = None
         for t, _, _ in self.pieces:
             t.grad = None
 
-    # --- checkpoints: torch's per-parameter format, consolidated ------------------------------
+    # --- checkpoints: torch's ZeroRedundancyOptimizer pair, per-parameter format ---------------
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """The whole state (bf16: with fp32 "master"s) on group rank `to`, none elsewhere (collective)."""
+        self._consolidated = optimizer_state.consolidate(
+            self.flat_groups, self.pieces, self.optim, self.param_groups, self.group, to,
+            self.shard_world, with_master=self.master_dtype != self.compute_dtype)
+
     def state_dict(self) -> dict[str, Any]:
-        """{"state": {index: {key: full-shape tensor}}, "param_groups": [...]} on every rank, as a
-        single-device torch optimizer writes it (a collective; bf16 adds each fp32 "master")."""
-        return optimizer_state.consolidated_state_dict(
-            self.param_groups, self.flat_groups, self.pieces, self.optim, self.group, self.shard_world,
-            with_master=self.master_dtype != self.compute_dtype)
+        """Local: the last consolidated state, current param_groups; raises where none (torch's)."""
+        return optimizer_state.consolidated_state_dict(self._consolidated, self.param_groups, self.rank)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Load a consolidated (or single-device torch) state dict; each rank cuts its own shards."""
+        """Local, every rank: the whole state dict (consolidated, or a torch optimizer's) cut to shards."""
         optimizer_state.load_consolidated_state_dict(state_dict, self.param_groups, self.flat_groups,
                                                      self.pieces, self.optim)
-        self._gather_updated_parameters()
 
     # --- inspection (collectives: every rank of the group calls them) ---------------------------
     def full_gradients(self) -> dict[str, torch.Tensor]:

@@ -4,13 +4,14 @@ checkpoints in torch's per-parameter optimizer format (consolidated), and gather
 `inner_tensors` hands the inner optimizer each master slice, or with whole-parameter ownership a
 view of it per parameter this rank owns (its `pieces`).
 
-`state_dict` gathers every rank's shards whole on every rank (one `all_gather_object`: it fits
-teaching sizes; torch's ZeroRedundancyOptimizer consolidates on one rank, DeepSpeed saves shards),
-then cuts each flat slice back into per-parameter tensors at the layout's offsets;
-`load_state_dict` is the inverse: each rank cuts its slice (or its whole parameters) out of the
-full tensors, from any world size or from a single-device torch optimizer. The functions take the
-optimizer's parts they read: its `param_groups`, `flat_groups`, the inner optimizer and `pieces`,
-the list of (inner tensor, flat group index, parameter index or None for a whole slice).
+torch's ZeroRedundancyOptimizer pair: `consolidate` (a collective) gathers every rank's shards on
+one rank (one `gather_object`: it fits teaching sizes; DeepSpeed saves shards instead) and cuts
+each flat slice back into per-parameter tensors at the layout's offsets; `consolidated_state_dict`
+(local) hands that rank the result, and raises on a rank that holds none;
+`load_consolidated_state_dict` (local, every rank) is the inverse: each rank cuts its slice (or its
+whole parameters) out of the full tensors, from any world size or a single-device torch optimizer.
+The functions take the optimizer's parts they read: its `param_groups`, `flat_groups`, the inner
+optimizer and `pieces`, the list of (inner tensor, flat group index, parameter index or None).
 """
 
 from __future__ import annotations
@@ -65,22 +66,31 @@ def _copy(value: Any) -> Any:
     return value.detach().clone() if torch.is_tensor(value) else value
 
 
-def consolidated_state_dict(param_groups: list[dict], flat_groups: list[FlatGroup], pieces: Pieces,
-                            inner: torch.optim.Optimizer, group, shard_world: int,
-                            with_master: bool) -> dict[str, Any]:
-    """{"state": {index: {key: full-shape tensor}}, "param_groups": [...]}, as a single-device
-    torch optimizer writes it, on every rank (a collective over `group`: each rank's shards are
-    gathered whole, so it fits teaching sizes; torch consolidates on one rank, DeepSpeed saves
-    shards). The first `shard_world` ranks hold the shards (stage 0: rank 0 holds everything).
-    `with_master` (bf16) adds each parameter's fp32 "master"."""
+def consolidate(flat_groups: list[FlatGroup], pieces: Pieces, inner: torch.optim.Optimizer,
+                param_groups: list[dict], group, to: int, shard_world: int,
+                with_master: bool) -> dict[int, dict] | None:
+    """torch's ZeroRedundancyOptimizer.consolidate_state_dict(to): every rank's shards gathered
+    on group rank `to` (a collective over `group`: one `gather_object`), cut back at the layout's
+    offsets into per-parameter state {index: {key: full-shape tensor on the CPU}}, as a
+    single-device torch optimizer keeps it; None on every other rank. The first `shard_world`
+    ranks hold the shards (stage 0: rank 0 holds everything). `with_master` (bf16) adds each
+    parameter's fp32 "master"."""
+    world = dist.get_world_size(group)
+    if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < world:
+        raise ValueError(f"consolidate_state_dict(to={to!r}): a rank of the optimizer's process "
+                         f"group, 0 … {world - 1}")
     local = {}
     for t, gi, i in pieces:
         state = dict(inner.state.get(t, {}))
         if with_master:
             state["master"] = t
         local[gi, i] = {k: _copy(v).cpu() if torch.is_tensor(v) else v for k, v in state.items()}
-    gathered = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, local, group=group)
+    rank = dist.get_rank(group)
+    gathered = [None] * world if rank == to else None
+    dst = to if group is None else dist.get_global_rank(group, to)
+    dist.gather_object(local, gathered, dst=dst, group=group)
+    if rank != to:
+        return None
     index = {id(p): n for n, p in enumerate(p for pg in param_groups for p in pg["params"])}
     state = {}
     for gi, g in enumerate(flat_groups):
@@ -97,9 +107,24 @@ def consolidated_state_dict(param_groups: list[dict], flat_groups: list[FlatGrou
             if whole:  # scalars ("step") copied: each parameter's own, as torch's optimizers keep them
                 state[index[id(p)]] = {k: v[off : off + p.numel()].view(p.shape).clone() if k in sliced
                                        else _copy(v) for k, v in whole.items()}
-    groups = [{**{k: v for k, v in pg.items() if k != "params"},
-               "params": [index[id(p)] for p in pg["params"]]} for pg in param_groups]
-    return {"state": state, "param_groups": groups}
+    return dict(sorted(state.items()))
+
+
+def consolidated_state_dict(consolidated: dict[int, dict] | None, param_groups: list[dict],
+                            rank: int) -> dict[str, Any]:
+    """torch's ZeroRedundancyOptimizer.state_dict(): local, the state last consolidated on this
+    rank (possibly stale) with the current settings: {"state": {index: {key: tensor}},
+    "param_groups": [{..., "params": [index, ...]}]}; on a rank holding none, torch's error."""
+    if consolidated is None:
+        raise RuntimeError("Optimizer state has not been consolidated on this rank. Please call "
+                           f"`consolidate_state_dict(to={rank})` on all ranks beforehand if you "
+                           "meant to save the global state.")
+    groups, n = [], 0
+    for pg in param_groups:
+        groups.append({**{k: v for k, v in pg.items() if k != "params"},
+                       "params": list(range(n, n + len(pg["params"])))})
+        n += len(pg["params"])
+    return {"state": {i: dict(s) for i, s in consolidated.items()}, "param_groups": groups}
 
 
 def load_consolidated_state_dict(state_dict: Mapping[str, Any], param_groups: list[dict],
@@ -108,7 +133,7 @@ def load_consolidated_state_dict(state_dict: Mapping[str, Any], param_groups: li
     """Load a consolidated (or single-device torch) state dict: settings into `param_groups`,
     each rank cutting its own shards out of the whole into `inner` and the masters. Load the
     model's weights first: the masters are refreshed from them unless the dict holds "master"
-    values. The caller then all-gathers the updated shards."""
+    values, which then set the whole flat parameters too: local, no collective (torch's)."""
     saved = state_dict["param_groups"]
     if [len(s["params"]) for s in saved] != [len(g["params"]) for g in param_groups]:
         raise ValueError("the state dict's param groups differ in number or size from this optimizer's")
@@ -127,9 +152,13 @@ def load_consolidated_state_dict(state_dict: Mapping[str, Any], param_groups: li
                          and v.shape == g.params[0].shape else _copy(v)
                          for k, v in by_param[g.params[0]].items()}
     for g in flat_groups:
-        if "master" in by_param[g.params[0]]:
-            g.master.copy_(_slice_of(g, by_param, "master"))
-            g.shard.copy_(g.master)
+        if "master" in by_param[g.params[0]]:  # every rank holds the whole: no all-gather needed
+            full = _flat_of(g, by_param, "master")
+            g.master.copy_(full[g.start : g.start + g.shard_size])
+            if g.persistent:  # the shard is a view of the flat parameters
+                g.flat.copy_(full)
+            else:
+                g.shard.copy_(g.master)
         elif g.master is not g.shard:
             g.master.copy_(g.shard)
     for state in states.values():
@@ -141,13 +170,18 @@ def load_consolidated_state_dict(state_dict: Mapping[str, Any], param_groups: li
     inner.load_state_dict({"state": states, "param_groups": groups})
 
 
-def _slice_of(g: FlatGroup, by_param: Mapping[nn.Parameter, dict], key: str) -> torch.Tensor:
-    """This rank's slice of the flat layout of every parameter's `by_param[p][key]`."""
+def _flat_of(g: FlatGroup, by_param: Mapping[nn.Parameter, dict], key: str) -> torch.Tensor:
+    """Every parameter's `by_param[p][key]` laid out as the group's flat buffer (padding 0)."""
     values = [by_param[p][key] for p in g.params]
     flat = torch.zeros(g.padded, dtype=values[0].dtype, device=values[0].device)
     for p, off, v in zip(g.params, g.offsets, values, strict=True):
         flat[off : off + p.numel()] = v.reshape(-1)
-    return flat[g.start : g.start + g.shard_size].clone()
+    return flat
+
+
+def _slice_of(g: FlatGroup, by_param: Mapping[nn.Parameter, dict], key: str) -> torch.Tensor:
+    """This rank's slice of `_flat_of(g, by_param, key)`."""
+    return _flat_of(g, by_param, key)[g.start : g.start + g.shard_size].clone()
 
 
 def state_tensors(groups: list[FlatGroup], inner: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:

@@ -12,23 +12,17 @@ formula beside the measured values.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
-from common.cli import (
-    DTYPES,
-    ConfigError,
-    base_parser,
-    batch_layout,
-    model_config,
-    require,
-    validate_common,
-)
+from common.cli import ConfigError, base_parser, batch_layout, require, validate_common
 from common.dist import DistContext
 from common.memory import ActivationMeter, storage_bytes
+from common.mesh import mesh_shape
 from common.model import TransformerBlock, build_model, initializer
 from common.reference import make_optimizer
+from common.run import Run, resolve_run
 from common.training import Strategy, run_main
 from zero.accounting import comm_formula, memory_formula, optimizer_bytes_per_param
 from zero.config import ZeroConfig, ZeroConfigError, load_config, to_dict
@@ -50,26 +44,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="stage 3: parameters smaller than this stay whole (default 1e5)")
     p.add_argument("--no-overlap", action="store_true", help="overlap_comm false: reduce after backward")
     return p.parse_args(argv)
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """What `validate` resolved from the flags over the config file: the engine's ZeroConfig (with
-    the batch layout written into it, as DeepSpeed's engine holds it) and the batch layout; the
-    loop reads `global_batch`, `clip_grad` and `mixed_precision` from here, not from `args`."""
-
-    zero: ZeroConfig
-    global_batch: int
-    micro_batch: int
-    grad_accum: int
-
-    @property
-    def clip_grad(self) -> float | None:
-        return self.zero.clip
-
-    @property
-    def mixed_precision(self) -> str:
-        return "bf16" if self.zero.bf16 else "none"
 
 
 def resolve_config(args: argparse.Namespace) -> ZeroConfig:
@@ -112,9 +86,11 @@ def resolve_config(args: argparse.Namespace) -> ZeroConfig:
     return config
 
 
-def validate(args: argparse.Namespace, world_size: int) -> RunConfig:
+def validate(args: argparse.Namespace, world_size: int) -> Run:
     """Everything that can be wrong with the input, checked on every rank before any collective;
-    the resolved run (`args` stays what the user typed)."""
+    the run, whose options are the engine's ZeroConfig (the flags over the file, with the batch
+    layout written into it, as DeepSpeed's engine holds it) and whose global batch, clipping and
+    mixed precision are the config's."""
     config = resolve_config(args)
     validate_common(args)
     micro, accum = args.micro_batch, args.grad_accum
@@ -135,7 +111,8 @@ def validate(args: argparse.Namespace, world_size: int) -> RunConfig:
     layout = batch_layout(global_batch, world_size, micro, accum)
     config = replace(config, gradient_accumulation_steps=layout.grad_accum,
                      train_micro_batch_size_per_gpu=layout.micro_batch)
-    return RunConfig(config, global_batch, layout.micro_batch, layout.grad_accum)
+    return resolve_run(args, mesh_shape(world_size), layout, config, global_batch=global_batch,
+                       clip_grad=config.clip, mixed_precision="bf16" if config.bf16 else "none")
 
 
 class FlatActivationMeter(ActivationMeter):
@@ -161,14 +138,14 @@ class ZeroStrategy(Strategy):
 
     unit_policy = staticmethod(lambda module: isinstance(module, TransformerBlock))
 
-    def __init__(self, args: argparse.Namespace, ctx: DistContext, run: RunConfig, process_group=None):
-        cfg, config = model_config(args), run.zero
+    def __init__(self, run: Run, ctx: DistContext, process_group=None):
+        config = run.options
         # stage 3 builds on the meta device: the engine draws one unit at a time and keeps its
         # shard (stages 0-2 replicate the parameters: every rank holds the whole model anyway)
         sharded = config.stage == 3
-        model = build_model(cfg, args.seed, DTYPES[args.dtype], "meta" if sharded else ctx.device)
-        init = initializer(cfg, args.seed) if sharded else None
-        self.engine = ZeroEngine(model, lambda ps: make_optimizer(ps, args.optimizer, args.lr), config,
+        model = build_model(run.model, run.seed, run.dtype, "meta" if sharded else ctx.device)
+        init = initializer(run.model, run.seed) if sharded else None
+        self.engine = ZeroEngine(model, lambda ps: make_optimizer(ps, run.optimizer, run.lr), config,
                                  process_group, gradient_accumulation_steps=run.grad_accum,
                                  unit_policy=self.unit_policy, init_values_fn=init, device=ctx.device)
         self.model, self.optimizer, self.config = model, self.engine.optimizer, config
@@ -176,7 +153,7 @@ class ZeroStrategy(Strategy):
         self.name = f"zero-{config.stage}" + ("-offload" if config.offload else "")
         self.dp_rank, self.dp_size = self.engine.rank, self.engine.world
         self.mesh = {"dp": self.dp_size}
-        self.optimizer_name, self.itemsize = args.optimizer, DTYPES[args.dtype].itemsize
+        self.optimizer_name, self.itemsize = run.optimizer, run.dtype.itemsize
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         self.grad_norm = self.engine.clip_grad_norm_(max_norm)  # read once, by the report
@@ -222,8 +199,8 @@ class ZeroStrategy(Strategy):
                 "grad_norm": None if self.grad_norm is None else self.grad_norm.item()}
 
 
-def build(args: argparse.Namespace, ctx: DistContext, run: RunConfig) -> Strategy:
-    return ZeroStrategy(args, ctx, run)
+def build(run: Run, ctx: DistContext) -> Strategy:
+    return ZeroStrategy(run, ctx)
 
 
 if __name__ == "__main__":

@@ -257,7 +257,7 @@ class FlatParamHandle:
             self._reduce = (work, grad, grad)
         else:
             out = grad.new_empty(self.shard_numel)
-            self._reduce = (reduce_scatter_single(out, grad, self.group, async_op=True), out, grad)
+            self._reduce = (reduce_scatter_single(out, grad, group=self.group, async_op=True), out, grad)
         self._replicating = False
 
     def start_replicate(self) -> None:

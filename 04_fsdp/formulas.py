@@ -18,8 +18,14 @@ HSDP (HYBRID_SHARD, _HYBRID_SHARD_ZERO2): s = the shard group (a node), r = the 
     intra-node  (s-1)/s · P_u·b_p per unshard + (s-1)/s · P_u·b_r per reduction (+ the clip scalar)
     inter-node  2(r-1)/r · (P_u/s)·b_r per reduction: the all-reduce of the reduced shard
 
-FULL_SHARD over all n = s·r ranks puts all of its (n-1)/n · (2·P·b_p + P·b_r) through the slowest
-link of its ring (the network); HSDP sends only 2(r-1)/r · P/s · b_r there, ~1.5·s times less.
+Which of those bytes cross the network (`network_bytes`): in a flat ring over all n = s·r ranks
+with each node's GPUs adjacent, only the r hops between nodes leave a node, and NCCL runs s rings
+(channels) at once, each leaving through its own NIC (one per GPU). So FULL_SHARD sends one rank's
+bytes, (n-1)/n · (2·P·b_p + P·b_r), out of each node per step, 1/s of it per NIC; HSDP sends
+s · 2(r-1)/r · (P/s)·b_r = 2(r-1)/r · P·b_r per node. At b_p = b_r the cut is
+1.5 · (n-1)/n · r/(r-1): 2.8× at r = 2, s = 8, and 1.5× as r grows. HSDP's larger wins are which
+bytes leave the node (none of the all-gathers, 2/3 of the bytes, on the critical path and repeated
+every micro-batch) and shorter rings (s and r ranks instead of n).
 
 Pure functions of a description of the units (`UnitTraffic`, from `shard_layout()` or computed
 without a model), so chapter 04's report and chapter 07's (which counts unshards per schedule
@@ -110,3 +116,36 @@ def fsdp_comm_bytes(units: Iterable[UnitTraffic], group_size: int, sharding_stra
     """Accounted wire bytes of one optimizer step on one rank, both groups together."""
     return sum(fsdp_comm_bytes_by_group(units, group_size, sharding_strategy, micro_batches, no_sync, clip,
                                         replicate_size).values())
+
+
+def network_bytes(units: Iterable[UnitTraffic], ranks_per_node: int, nodes: int,
+                  sharding_strategy: ShardingStrategy, micro_batches: int = 1,
+                  no_sync: bool = False) -> dict[str, float]:
+    """Where one optimizer step's bytes travel on `nodes` nodes (r) of `ranks_per_node` GPUs (s),
+    one NIC per GPU, nccl-tests' accounting, n = s·r. HYBRID_SHARD / _HYBRID_SHARD_ZERO2 shard over
+    a node and all-reduce across nodes; any other strategy shards over all n ranks in one ring
+    whose r inter-node hops carry, summed over NCCL's s channels, one rank's bytes per node.
+    `units`: padded as for the group they shard over (`unit_traffic(layout, group_size)`).
+
+        "network_gather", "network_reduce"   bytes leaving one node over the network, per step
+        "network_per_nic"                    their sum / s: what one NIC carries
+        "nvlink_per_gpu"                     what one GPU sends inside its node
+        "shard_ring", "replicate_ring"       ranks in the rings the collectives run over
+    """
+    units, s, r = list(units), ranks_per_node, nodes
+    hybrid = sharding_strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+    group, replicate = (s, r) if hybrid else (s * r, 1)
+    reductions = 1 if no_sync else micro_batches
+    gather = reduce = inter = 0.0
+    for u in units:
+        gathers = micro_batches * unshards_per_micro_batch(u, sharding_strategy)
+        gather += unit_comm_bytes_by_group(u, group, sharding_strategy, gathers, 0, replicate)[0]
+        intra, across = unit_comm_bytes_by_group(u, group, sharding_strategy, 0, reductions, replicate)
+        reduce, inter = reduce + intra, inter + across
+    if hybrid:  # gathers and reduce-scatters stay in the node; each GPU all-reduces its shard across
+        out = {"network_gather": 0.0, "network_reduce": s * inter, "nvlink_per_gpu": gather + reduce}
+    else:  # one ring over every rank: per node, one rank's bytes leave; each GPU's NIC carries 1/s
+        out = {"network_gather": gather, "network_reduce": reduce,
+               "nvlink_per_gpu": (gather + reduce) * (s - 1) / s}
+    out["network_per_nic"] = (out["network_gather"] + out["network_reduce"]) / s
+    return {**out, "shard_ring": group, "replicate_ring": replicate}

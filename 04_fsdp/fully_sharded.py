@@ -51,6 +51,8 @@ tensor-parallel blocks over a DP group):
       full tensor} on every rank (a collective) / every rank passes the full tensors, keeps its slice
   .full_state_dict(rank0_only=True), .full_gradients(rank0_only=True)  the same, on group rank 0
   .local_state_dict() / .load_local_state_dict(sd)  {"<unit>._flat_param": shard} per rank
+  FSDP.optim_state_dict(model, optim) / .optim_state_dict_to_load(model, optim, osd)  torch's pair, by
+      original name (a collective) / cut to the shards; torch's other FSDP1 methods raise, naming the fix
   .shard_layout()                             [UnitShard] per unit, root first: its flat shard and,
       for every original parameter, its ParamShard (name, shape, offset, numel, shard_offset)
   .units()                                    every FSDP instance under the root, root first;
@@ -80,12 +82,14 @@ from torch import nn
 
 from .flat_param import FlatParamHandle
 from .state import (
+    NOT_IMPLEMENTED,
     WRAPPED,
     ShardedStateMixin,
     broadcast_from_rank0,
     cast_buffers,
     clean_name,
     materialize,
+    not_implemented,
     on_meta,
     tied_parameters,
     unit_modules,
@@ -399,3 +403,7 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
             if name == WRAPPED:
                 raise
             return getattr(self.module, name)
+
+
+for _name, _fix in NOT_IMPLEMENTED.items():  # torch's other FSDP1 methods: each call names the fix
+    setattr(FullyShardedDataParallel, _name, not_implemented(_name, _fix))

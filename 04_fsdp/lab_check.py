@@ -9,6 +9,7 @@ step, the parameters at the end, at 1e-10); the collectives each rank posts in a
 from __future__ import annotations
 
 import traceback
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from common.data import SyntheticTokens, local_micro_batches, split_inputs_targe
 from common.diagnosis import explain, first_difference, steps_pattern
 from common.grader import Property
 from common.model import RMSNorm, build_model, get_config, loss_fn, rope_cos_sin
+from common.patch import patch_dist
 from common.reference import make_optimizer, make_reference
 
 TITLE = "one FSDP unit: sharded at rest, gathered to compute, gradients reduce-scattered"
@@ -215,9 +217,8 @@ COLLECTIVES = {"all_gather_single": "gather", "all_gather_into_tensor": "gather"
 
 
 def _count_collectives(events: list):
-    """Wrap dist's collectives: each outermost call appends (kind, numel in, numel out, op).
-    Returns the function that restores them."""
-    originals = [(m, n, getattr(m, n)) for n in COLLECTIVES for m in (dist, c10d) if hasattr(m, n)]
+    """Wrap dist's collectives (a context manager): each outermost call appends (kind, numel in,
+    numel out, op)."""
     depth = [0]  # the old names call the new ones: count a call once
 
     def counted(kind, fn):
@@ -233,10 +234,7 @@ def _count_collectives(events: list):
                 depth[0] -= 1
         return call
 
-    wrapped = {}
-    for module, name, fn in originals:
-        setattr(module, name, wrapped.setdefault(name, counted(COLLECTIVES[name], fn)))
-    return lambda: [setattr(m, n, fn) for m, n, fn in originals]
+    return patch_dist({name: partial(counted, kind) for name, kind in COLLECTIVES.items()}, also=(c10d,))
 
 
 def train(lab, world: int, steps: int = 1, optimizer: str = "sgd") -> dict:
@@ -257,19 +255,17 @@ def train(lab, world: int, steps: int = 1, optimizer: str = "sgd") -> dict:
 
     for step in range(steps):
         events, phase = [], "forward"
-        restore = _count_collectives(events)
         try:
-            (tokens,) = local_micro_batches(data.global_batch(step, BATCH), rank, world, BATCH // world)
-            inputs, targets = split_inputs_targets(tokens)
-            loss = loss_fn(model(inputs), targets)
-            events.append(("end of forward",))
-            phase = "backward"
-            loss.backward()
+            with _count_collectives(events):
+                (tokens,) = local_micro_batches(data.global_batch(step, BATCH), rank, world, BATCH // world)
+                inputs, targets = split_inputs_targets(tokens)
+                loss = loss_fn(model(inputs), targets)
+                events.append(("end of forward",))
+                phase = "backward"
+                loss.backward()
         except RuntimeError as error:
             out["error"] = (step, phase, _caught(error, lab))
             break
-        finally:
-            restore()
         out["grads"].append(_everyone(shards(grad=True)))
         out["events"].append(_everyone(events))
         opt.step()

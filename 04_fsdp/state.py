@@ -5,7 +5,8 @@ Mixed into FullyShardedDataParallel (the root). Every function that gathers is a
 the FSDP process group (every rank of the group calls it). `state_dict()` / `load_state_dict()`
 keep torch's default contract (StateDictType.FULL_STATE_DICT): the original parameter names,
 without the wrappers' `_fsdp_wrapped_module` segments, full tensors on every rank, so the dict
-loads into the unwrapped model. Clipping follows torch.nn.utils.clip_grad_norm_ (common/clip.py):
+loads into the unwrapped model; the optimizer's state likewise (torch's `optim_state_dict` pair, by
+original names). Clipping follows torch.nn.utils.clip_grad_norm_ (common/clip.py):
 
     total = sqrt(Σ_ranks Σ_shard g²)          (each element once: shards are disjoint)
     g    *= min(1, max_norm / (total + 1e-6))
@@ -29,6 +30,32 @@ from .flat_param import FlatParamHandle, UnitShard
 from .wrap import ShardingStrategy
 
 WRAPPED = "_fsdp_wrapped_module"
+# torch FSDP1's other public methods: not implemented here; calling one raises, naming what does the job
+FULL_STATE = ("state_dict() is already FULL_STATE_DICT on every rank (torch's default); "
+              "full_state_dict(rank0_only=True) is FullStateDictConfig(rank0_only=True); "
+              "local_state_dict() is LOCAL_STATE_DICT")
+OPTIM_STATE = ("FullyShardedDataParallel.optim_state_dict(model, optim) / "
+               "optim_state_dict_to_load(model, optim, osd), torch's current pair")
+NOT_IMPLEMENTED = {
+    "apply": "call fn on the module before wrapping it, or pass param_init_fn (torch's FSDP.apply "
+             "runs fn on the gathered parameters; nn.Module.apply here would see freed views)",
+    "summon_full_params": "model.full_state_dict(rank0_only=False) gives the full values (a "
+                          "collective); model.load_state_dict(values) writes them back",
+    "state_dict_type": FULL_STATE, "set_state_dict_type": FULL_STATE, "get_state_dict_type": FULL_STATE,
+    "full_optim_state_dict": OPTIM_STATE, "sharded_optim_state_dict": OPTIM_STATE,
+    "shard_full_optim_state_dict": OPTIM_STATE, "scatter_full_optim_state_dict": OPTIM_STATE,
+    "flatten_sharded_optim_state_dict": OPTIM_STATE, "rekey_optim_state_dict": OPTIM_STATE,
+    "register_comm_hook": "the reduction is flat_param.py's reduce_grad (SUM, then ÷ N): edit it there",
+}
+
+
+def not_implemented(name: str, fix: str) -> staticmethod:
+    """A stand-in for torch's FSDP1 method `name` that raises, naming `fix` (class or instance call)."""
+    def refuse(*args, **kwargs):
+        raise NotImplementedError(f"FullyShardedDataParallel.{name} (torch's FSDP1) is not implemented "
+                                  f"here: {fix}")
+    refuse.__name__ = refuse.__qualname__ = name
+    return staticmethod(refuse)
 
 
 def clean_name(name: str) -> str:
@@ -224,6 +251,79 @@ class ShardedStateMixin:
                     m._buffers[attr].copy_(state_dict[name])
         return _IncompatibleKeys(missing, unexpected)
 
+    # --- the optimizer's state: torch's optim_state_dict pair (FULL_STATE_DICT, every rank) --------
+
+    @staticmethod
+    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict | None = None,
+                         group=None) -> dict:
+        """torch's FSDP.optim_state_dict with its default FULL_STATE_DICT: `optim` (any torch
+        optimizer over `model.parameters()`, the flat shards) as a single-device optimizer of the
+        unwrapped model keeps it, keyed by original names: {"state": {name: {key: full tensor}},
+        "param_groups": [{..., "params": [names]}]}, on every rank (a collective over the group).
+        `optim_state_dict`: optim.state_dict() if you already took it."""
+        flats, layout = model._optim_layout(optim, group)
+        osd = optim.state_dict() if optim_state_dict is None else optim_state_dict
+        state: dict[str, dict] = {}
+        for unit, h in layout:
+            saved = osd["state"].get(_position(flats, unit.flat_param), {})
+            whole = {k: h.gather(v)[: unit.numel].split([p.shape.numel() for p in unit.params])
+                     for k, v in saved.items() if torch.is_tensor(v) and v.shape == unit.flat_param.shape}
+            for i, p in enumerate(unit.params):
+                if saved:
+                    state[p.name] = {k: whole[k][i].view(p.shape).clone() if k in whole else _copy(v)
+                                     for k, v in saved.items()}
+        names = {id(u.flat_param): [p.name for p in u.params] for u, _ in layout}
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [n for q in optim.param_groups[i]["params"] for n in names[id(q)]]}
+                  for i, g in enumerate(osd["param_groups"])]
+        return {"state": state, "param_groups": groups}
+
+    @staticmethod
+    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict,
+                                 is_named_optimizer: bool = False, load_directly: bool = False,
+                                 group=None) -> dict:
+        """torch's inverse: the `optim_state_dict` above (every rank passes the whole) cut to this
+        rank's shards, ready for `optim.load_state_dict` (`load_directly`: loaded too). Local."""
+        if is_named_optimizer:
+            raise NotImplementedError("is_named_optimizer=True (torchrec's KeyedOptimizer): pass a "
+                                      "torch optimizer over model.parameters()")
+        flats, layout = model._optim_layout(optim, group)
+        state: dict[int, dict] = {}
+        for unit, _ in layout:
+            saved = [optim_state_dict["state"].get(p.name, {}) for p in unit.params]
+            if not saved[0]:
+                continue
+            first = saved[0]
+            shaped = {k for k, v in first.items() if torch.is_tensor(v) and v.shape == unit.params[0].shape}
+            state[_position(flats, unit.flat_param)] = {
+                k: _shard_of(unit, [s[k] for s in saved]) if k in shaped else _copy(v)
+                for k, v in first.items()}
+        groups = [{**{k: v for k, v in saved.items() if k != "params"},
+                   "params": [_position(flats, q) for q in g["params"]]}
+                  for g, saved in zip(optim.param_groups, optim_state_dict["param_groups"], strict=True)]
+        out = {"state": state, "param_groups": groups}
+        if load_directly:
+            optim.load_state_dict(out)
+        return out
+
+    def _optim_layout(self, optim: torch.optim.Optimizer, group) -> tuple[list, list]:
+        """(the optimizer's parameters in order, [(UnitShard, handle)]), refusing what the optimizer
+        pair cannot honour: a non-root, `group` other than the model's, use_orig_params."""
+        self._require_root("optim_state_dict()")
+        if group is not None and group is not self.process_group:
+            raise ValueError("optim_state_dict(group=...): pass None (the model's process_group)")
+        if self.use_orig_params:
+            raise NotImplementedError("optim_state_dict with use_orig_params=True: the optimizer "
+                                      "steps 1-D pieces of the original parameters; wrap with "
+                                      "use_orig_params=False and give the optimizer model.parameters()")
+        flats = [p for g in optim.param_groups for p in g["params"]]
+        layout = list(zip(self.shard_layout(), self._handles(), strict=True))
+        missing = [u.name or "<root>" for u, _ in layout if not any(q is u.flat_param for q in flats)]
+        if missing:
+            raise ValueError(f"the optimizer does not step the flat parameters of units {missing}: "
+                             "build it from model.parameters()")
+        return flats, layout
+
     def full_gradients(self, rank0_only: bool = True) -> dict[str, torch.Tensor] | None:
         """The shards' `.grad` gathered to full shape under the original names (collective)."""
         return self._gather_named(lambda u: u.flat_param.grad, rank0_only)
@@ -238,3 +338,19 @@ class ShardedStateMixin:
         with torch.no_grad():
             for key, shard in self.local_state_dict().items():
                 shard.copy_(state_dict[key])
+
+
+def _position(tensors: list[torch.Tensor], t: torch.Tensor) -> int:
+    return next(i for i, q in enumerate(tensors) if q is t)
+
+
+def _copy(value):
+    return value.detach().clone() if torch.is_tensor(value) else value
+
+
+def _shard_of(unit: UnitShard, values: list[torch.Tensor]) -> torch.Tensor:
+    """This rank's flat shard of the unit's per-parameter full `values` (padding: zeros)."""
+    shard = torch.zeros(unit.flat_param.shape, dtype=values[0].dtype, device=unit.flat_param.device)
+    for p, v in zip(unit.params, values, strict=True):
+        shard[p.shard_offset : p.shard_offset + p.numel] = v.reshape(-1)[p.offset : p.offset + p.numel]
+    return shard.detach()

@@ -19,7 +19,6 @@ is what would show it (a loss curve under AdamW barely does).
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -27,12 +26,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.cli import DTYPES, model_config
 from common.dist import DistContext
 from common.memory import ActivationMeter, optimizer_state_tensors, storage_bytes
 from common.model import build_model, initializer
 from common.optimizer_bytes import optimizer_state_bytes
 from common.reference import make_optimizer
+from common.run import Run
 from common.training import Strategy
 
 
@@ -77,30 +76,31 @@ def fully_shard_llama(model: nn.Module, device: torch.device, reshard: bool,
 class TorchFSDP2Strategy(Strategy):
     """`train.py --impl torch-fsdp2`: torch's fully_shard under the shared Strategy interface."""
 
-    def __init__(self, args: argparse.Namespace, ctx: DistContext, grad_accum: int = 1):
-        self.args, self.mixed, self.grad_accum = args, args.mixed_precision == "bf16", grad_accum
-        model = build_model(model_config(args), dtype=DTYPES[args.dtype], device="meta")
+    def __init__(self, run: Run, ctx: DistContext):
+        self.run, self.mixed, self.grad_accum = run, run.mixed, run.grad_accum
+        model = build_model(run.model, dtype=run.dtype, device="meta")
         self.sizes = ([[padded_numel(p, ctx.world_size) for p in b.parameters()] for b in model.layers],
                       [padded_numel(p, ctx.world_size) for n, p in model.named_parameters()
                        if not n.startswith("layers.")])
-        fully_shard_llama(model, ctx.device, args.sharding_strategy == "FULL_SHARD",
+        fully_shard_llama(model, ctx.device, run.options.sharding_strategy == "FULL_SHARD",
                           torch.bfloat16 if self.mixed else None)
         model.to_empty(device=ctx.device)  # this rank's dim-0 chunk of each parameter, uninitialized
-        init = initializer(model_config(args), args.seed)
+        init = initializer(run.model, run.seed)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 chunks = init(name).chunk(ctx.world_size)  # FSDP2's layout: torch.chunk on dim 0
                 if ctx.rank < len(chunks):
                     p.to_local().copy_(chunks[ctx.rank])
         self.model = model
-        self.optimizer = make_optimizer(model.parameters(), args.optimizer, args.lr)
-        self.name, self.mesh = f"torch-fsdp2-{args.sharding_strategy.lower()}", {"dp": ctx.world_size}
-        self.dp_rank, self.dp_size, self.clip_grad = ctx.rank, ctx.world_size, args.clip_grad
+        self.optimizer = make_optimizer(model.parameters(), run.optimizer, run.lr)
+        self.name = f"torch-fsdp2-{run.options.sharding_strategy.lower()}"
+        self.mesh, self.dp_rank, self.dp_size = {"dp": ctx.world_size}, ctx.rank, ctx.world_size
+        self.clip_grad = run.clip_grad
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """--no-sync: FSDP2's set_requires_gradient_sync(False), no reduce-scatter until the last."""
-        self.model.set_requires_gradient_sync(not self.args.no_sync)
+        self.model.set_requires_gradient_sync(not self.run.options.no_sync)
         try:
             yield
         finally:
@@ -138,18 +138,18 @@ class TorchFSDP2Strategy(Strategy):
         n = self.dp_size
         blocks, root = self.sizes
         accum = self.grad_accum
-        b_param = 2 if self.mixed else DTYPES[self.args.dtype].itemsize
+        b_param = 2 if self.mixed else self.run.dtype.itemsize
         b_reduce = 4 if self.mixed else b_param
-        b = DTYPES[self.args.dtype].itemsize
+        b = self.run.dtype.itemsize
         total = sum(map(sum, blocks)) + sum(root)
-        per_block = 2 if self.args.sharding_strategy == "FULL_SHARD" else 1
+        per_block = 2 if self.run.options.sharding_strategy == "FULL_SHARD" else 1
         gathers = sum(root) + sum(map(sum, blocks)) * per_block
-        reduces = 1 if self.args.no_sync else accum
+        reduces = 1 if self.run.options.no_sync else accum
         comm = steps * (n - 1) / n * (accum * gathers * b_param + reduces * total * b_reduce)
         shard = total // n * b
-        opt = optimizer_state_bytes(self.args.optimizer, total // n, b, len(list(self.model.parameters())))
+        opt = optimizer_state_bytes(self.run.optimizer, total // n, b, len(list(self.model.parameters())))
         return comm, {"params": shard, "grads": shard, "optimizer": opt}
 
     def report_extras(self) -> dict:
         return {"impl": "torch-fsdp2", "torch": torch.__version__,
-                "sharding_strategy": self.args.sharding_strategy}
+                "sharding_strategy": self.run.options.sharding_strategy}

@@ -13,35 +13,29 @@ HSDP (FSDP across nodes): `--sharding-strategy HYBRID_SHARD --nodes 2` on 4 rank
 ranks {0,1} and {2,3} (two "nodes") and all-reduces each shard over {0,2} and {1,3}; without
 --nodes a node is LOCAL_WORLD_SIZE ranks (torch's default under a multi-node torchrun). The report
 splits the bytes: comm_bytes_intra / _inter beside their formulas, and comm_bytes_flat_formula,
-the same units sharded over all ranks (FULL_SHARD), whose bytes all cross the network.
+the same units sharded over all ranks (FULL_SHARD), per rank over every link (which bytes leave a
+node, per node: fsdp.formulas.network_bytes; 04_fsdp/hsdp.md).
 """
 
 from __future__ import annotations
 
 import argparse
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.cli import (
-    DTYPES,
-    BatchLayout,
-    ConfigError,
-    base_parser,
-    batch_layout,
-    model_config,
-    require,
-    validate_common,
-)
+from common.cli import ConfigError, base_parser, batch_layout, require, validate_common
 from common.dist import DistContext, pick_backend
 from common.memory import ActivationMeter, model_state_bytes
-from common.mesh import MeshShape, build_mesh
+from common.mesh import MeshShape, build_mesh, mesh_shape
 from common.model import TransformerBlock, build_model, initializer
 from common.optimizer_bytes import optimizer_state_bytes
 from common.reference import make_optimizer
+from common.run import Run, resolve_run
 from common.training import Strategy, run_main
 from fsdp import (
     HYBRID_STRATEGIES,
@@ -78,8 +72,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
-    """Everything that can be wrong with the input, checked before any collective."""
+@dataclass(frozen=True)
+class FSDPOptions:
+    """The chapter's resolved flags (the run's `options`); HSDP's nodes are the run's mesh."""
+
+    sharding_strategy: str = "FULL_SHARD"  # a ShardingStrategy's name
+    no_sync: bool = False  # accumulate under model.no_sync(): one reduce-scatter per step
+    prefetch: bool = True  # forward and backward prefetch
+    impl: str = "ours"  # ours | torch-fsdp2
+
+    @property
+    def hybrid(self) -> bool:
+        return ShardingStrategy[self.sharding_strategy] in HYBRID_STRATEGIES
+
+
+def validate(args: argparse.Namespace, world_size: int) -> Run:
+    """Everything that can be wrong with the input, checked before any collective; the run."""
     validate_common(args)
     names = [s.name for s in ShardingStrategy]
     require(args.sharding_strategy in names,
@@ -87,72 +95,74 @@ def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
     require(args.impl == "ours" or args.sharding_strategy != "NO_SHARD",
             "--impl torch-fsdp2 with --sharding-strategy NO_SHARD: FSDP2 has no NO_SHARD (use "
             "torch's DDP, chapter 01), pick FULL_SHARD or SHARD_GRAD_OP")
-    validate_nodes(args, world_size)
+    mesh = validate_nodes(args, world_size)
     missing = fsdp2_unavailable(device_type()) if args.impl == "torch-fsdp2" else None
     require(missing is None, f"--impl torch-fsdp2: {missing}")
-    return batch_layout(args.global_batch, world_size, args.micro_batch, args.grad_accum)
+    layout = batch_layout(args.global_batch, world_size, args.micro_batch, args.grad_accum)
+    return resolve_run(args, mesh, layout, FSDPOptions(args.sharding_strategy, args.no_sync,
+                                                       not args.no_prefetch, args.impl))
 
 
-def validate_nodes(args: argparse.Namespace, world_size: int) -> None:
-    """HSDP's split of the ranks into equal nodes (every rank trains on its own data: dp = world)."""
+def validate_nodes(args: argparse.Namespace, world_size: int) -> MeshShape:
+    """HSDP's split of the ranks into equal nodes (every rank trains on its own data: dp = world):
+    the mesh, dp_replicate = nodes × dp_shard = ranks per node (--nodes, else LOCAL_WORLD_SIZE)."""
     hybrid = ShardingStrategy[args.sharding_strategy] in HYBRID_STRATEGIES
     require(args.nodes is None or hybrid, f"--nodes {args.nodes} with --sharding-strategy "
             f"{args.sharding_strategy}: --nodes splits HSDP's ranks into nodes; use --sharding-strategy "
             "HYBRID_SHARD (or _HYBRID_SHARD_ZERO2), or drop --nodes")
     if not hybrid:
-        return
+        return mesh_shape(world_size)
     require(args.impl == "ours", f"--impl torch-fsdp2 with --sharding-strategy {args.sharding_strategy}: "
             "the FSDP2 yardstick shards over one group; use --impl ours")
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
     require(args.nodes is None or args.nodes in divisors,
             f"--nodes {args.nodes}: {world_size} ranks do not split into {args.nodes} equal nodes; use "
             f"one of {', '.join(map(str, divisors))}")
-    if args.nodes is None:
-        try:
-            node_size(world_size)
-        except ValueError as error:
-            raise ConfigError(f"--sharding-strategy {args.sharding_strategy} without --nodes: {error}; "
-                              "or pass --nodes N to simulate N nodes") from None
+    if args.nodes is not None:
+        return mesh_shape(world_size, dp_shard=world_size // args.nodes)
+    try:
+        return mesh_shape(world_size, dp_shard=node_size(world_size))
+    except ValueError as error:
+        raise ConfigError(f"--sharding-strategy {args.sharding_strategy} without --nodes: {error}; "
+                          "or pass --nodes N to simulate N nodes") from None
 
 
-def hsdp_groups(args: argparse.Namespace, world_size: int):
-    """(shard group, replicate group) for --nodes N (a node = world/N consecutive ranks), else None
-    (FSDP's default: LOCAL_WORLD_SIZE ranks per node). A collective: every rank makes every group."""
-    hybrid = ShardingStrategy[args.sharding_strategy] in HYBRID_STRATEGIES
-    if not (hybrid and args.nodes):
+def hsdp_groups(run: Run):
+    """HSDP's (shard group, replicate group) from the run's mesh (a node = dp_shard consecutive
+    ranks), else None. A collective: every rank makes every group."""
+    if not run.options.hybrid:
         return None
-    mesh = build_mesh(MeshShape(dp_replicate=args.nodes, dp_shard=world_size // args.nodes),
-                      ("dp_shard", "dp_replicate"))
+    mesh = build_mesh(run.mesh, ("dp_shard", "dp_replicate"))
     return mesh.group("dp_shard"), mesh.group("dp_replicate")
 
 
-def wrap_llama(model: nn.Module, args: argparse.Namespace, process_group=None, device=None,
+def wrap_llama(model: nn.Module, run: Run, process_group=None, device=None,
                shard_init_fn=None) -> FullyShardedDataParallel:
     """The source article's wrapping, with our class (a meta model: see `shard_init_fn`), and
     prefetching in both directions unless --no-prefetch (torch's forward_prefetch default is off)."""
+    options = run.options
     return FullyShardedDataParallel(
         model, process_group=process_group, device_id=device, shard_init_fn=shard_init_fn,
         auto_wrap_policy=partial(transformer_auto_wrap_policy, transformer_layer_cls={TransformerBlock}),
-        mixed_precision=BF16_MIXED if args.mixed_precision == "bf16" else None,
-        sharding_strategy=ShardingStrategy[args.sharding_strategy], forward_prefetch=not args.no_prefetch,
-        backward_prefetch=None if args.no_prefetch else BackwardPrefetch.BACKWARD_PRE)
+        mixed_precision=BF16_MIXED if run.mixed else None,
+        sharding_strategy=ShardingStrategy[options.sharding_strategy], forward_prefetch=options.prefetch,
+        backward_prefetch=BackwardPrefetch.BACKWARD_PRE if options.prefetch else None)
 
 
 class FSDPStrategy(Strategy):
     """LLaMA under our FullyShardedDataParallel; the optimizer holds only the 1/N flat shards.
     Each micro-batch's backward reduce-scatters (unless --no-sync); clipping is FSDP's own."""
 
-    def __init__(self, args: argparse.Namespace, ctx: DistContext, process_group=None):
-        cfg = model_config(args)
+    def __init__(self, run: Run, ctx: DistContext, process_group=None):
         # a meta model: each unit draws only the parameters that overlap this rank's shard, on CPU
-        init, meta = initializer(cfg, args.seed), build_model(cfg, dtype=DTYPES[args.dtype], device="meta")
-        process_group = process_group or hsdp_groups(args, ctx.world_size)
-        self.model = wrap_llama(meta, args, process_group, ctx.device, lambda name, _: init(name))
+        init, meta = initializer(run.model, run.seed), build_model(run.model, dtype=run.dtype, device="meta")
+        process_group = process_group or hsdp_groups(run)
+        self.model = wrap_llama(meta, run, process_group, ctx.device, lambda name, _: init(name))
         self.model.memory_trace = []
-        self.optimizer = make_optimizer(self.model.parameters(), args.optimizer, args.lr)
-        self.args, self.n_params = args, sum(u.numel for u in self.model.shard_layout())
-        self.clip_grad = args.clip_grad
-        self.name = f"fsdp-{args.sharding_strategy.lower()}"
+        self.optimizer = make_optimizer(self.model.parameters(), run.optimizer, run.lr)
+        self.run, self.n_params = run, sum(u.numel for u in self.model.shard_layout())
+        self.clip_grad = run.clip_grad
+        self.name = f"fsdp-{run.options.sharding_strategy.lower()}"
         self.dp_rank, self.dp_size, self.steps_done = ctx.rank, ctx.world_size, 0
         self.mesh = {"dp": ctx.world_size}
         if self.model.replicate_group is not None:  # HSDP: all ranks are data-parallel, in two groups
@@ -162,7 +172,7 @@ class FSDPStrategy(Strategy):
             self.comm_groups = (("intra", shard), ("inter", replicate))
 
     def no_sync(self) -> AbstractContextManager:
-        return self.model.no_sync() if self.args.no_sync else nullcontext()
+        return self.model.no_sync() if self.run.options.no_sync else nullcontext()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         return self.model.clip_grad_norm_(max_norm)
@@ -186,12 +196,12 @@ class FSDPStrategy(Strategy):
         comm per micro-batch = (n-1)/n · b_param · (gathers) + (n-1)/n · b_reduce · P per
         reduce-scatter (2× for NO_SHARD's all-reduce); memory = Σ S_u · (b + b + 2b) + 4 bytes of
         AdamW step counter per unit (b = the shard's dtype: fp32 in mixed precision)."""
-        comm = steps * comm_bytes(self.model, len_micro(self.args, self.dp_size), self.args.no_sync,
-                                  self.args.clip_grad is not None)
+        run = self.run
+        comm = steps * comm_bytes(self.model, run.grad_accum, run.options.no_sync, run.clip_grad is not None)
         units = self.model.shard_layout()
         shards = sum(u.shard_numel for u in units)
         b = units[0].flat_param.element_size()
-        opt = optimizer_state_bytes(self.args.optimizer, shards, b, len(units))
+        opt = optimizer_state_bytes(run.optimizer, shards, b, len(units))
         return comm, {"params": shards * b, "grads": shards * b, "optimizer": opt}
 
     def after_step(self, done: int) -> None:
@@ -202,8 +212,8 @@ class FSDPStrategy(Strategy):
         the same units sharded flat over all ranks would send (all of it across nodes)."""
         if self.model.replicate_group is None:
             return {}
-        k, no_sync = len_micro(self.args, self.dp_size), self.args.no_sync
-        clip = self.args.clip_grad is not None
+        k, no_sync = self.run.grad_accum, self.run.options.no_sync
+        clip = self.run.clip_grad is not None
         split = comm_by_group(self.model, k, no_sync, clip)
         flat = flat_comm_bytes(self.model, k, no_sync, clip)
         return {"comm_bytes_intra_formula": self.steps_done * split["intra"],
@@ -217,20 +227,16 @@ class FSDPStrategy(Strategy):
         units = self.model.shard_layout()
         ddp_comm = 2 * (n - 1) / n * P * units[0].reduce_dtype.itemsize
         b = units[0].flat_param.element_size()
-        ddp_state = 2 * P * b + optimizer_state_bytes(self.args.optimizer, P, b, n_tensors=0)
+        ddp_state = 2 * P * b + optimizer_state_bytes(self.run.optimizer, P, b, n_tensors=0)
         _, mem = self.formulas(1)
         return {
-            "sharding_strategy": self.args.sharding_strategy, "units": len(units),
+            "sharding_strategy": self.run.options.sharding_strategy, "units": len(units),
             "full_params_peak": max((e["live_bytes"] for e in trace), default=0),
             "full_params_peak_formula": full_params_peak_formula(self.model),
             "comm_per_step_vs_ddp": comm_bytes(self.model, 1, True, False) / ddp_comm
             if n > 1 else None,
             "state_vs_ddp": sum(mem.values()) / ddp_state, **self.hsdp_extras(),
         }
-
-
-def len_micro(args: argparse.Namespace, dp: int) -> int:
-    return batch_layout(args.global_batch, dp, args.micro_batch, args.grad_accum).grad_accum
 
 
 def device_type() -> str:
@@ -279,10 +285,10 @@ def full_params_peak_formula(model: FullyShardedDataParallel) -> int:
     return root + sum(sizes)
 
 
-def build(args: argparse.Namespace, ctx: DistContext, layout: BatchLayout) -> Strategy:
-    if args.impl == "torch-fsdp2":
-        return TorchFSDP2Strategy(args, ctx, layout.grad_accum)
-    return FSDPStrategy(args, ctx)
+def build(run: Run, ctx: DistContext) -> Strategy:
+    if run.options.impl == "torch-fsdp2":
+        return TorchFSDP2Strategy(run, ctx)
+    return FSDPStrategy(run, ctx)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ Operators (mappings.py), Megatron's f and g and their SP halves, autograd functi
     gather_from_sequence_parallel_region(x, group, dim=1)        all-gather fwd, reduce-scatter bwd
     reduce_scatter_to_sequence_parallel_region(x, group, dim=1)  reduce-scatter fwd, all-gather bwd
     scatter_to_sequence_parallel_region(x, group, dim=1)         split fwd, all-gather bwd
+    gather_for_column_parallel(x, group, dim=1)   the all-gather before column layers: they save
+        x's s/t tokens, not the s gathered, and gather them again in backward (SequenceGather,
+        layers.linear_with_sequence_gather), once per backward for all the layers reading it
 
 Layers (layers.py), Megatron's names with Megatron's argument semantics (gather_output: all-gather
 Y, else Y_i stays split; input_is_parallel: X is already split, else this rank's slice is taken;
@@ -84,9 +87,17 @@ from .context_parallel import (
     zigzag_positions,
 )
 from .cross_entropy import vocab_parallel_cross_entropy
-from .layers import ColumnParallelLinear, RowParallelLinear, SequenceParallelRMSNorm, VocabParallelEmbedding
+from .layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SequenceParallelRMSNorm,
+    VocabParallelEmbedding,
+    linear_with_sequence_gather,
+)
 from .mappings import (
+    SequenceGather,
     copy_to_tp_region,
+    gather_for_column_parallel,
     gather_from_sequence_parallel_region,
     gather_from_tp_region,
     reduce_from_tp_region,
@@ -121,6 +132,7 @@ __all__ = [
     "MappedInput",
     "RowParallelLinear",
     "RowSplit",
+    "SequenceGather",
     "SequenceNorm",
     "SequenceParallelRMSNorm",
     "TPShard",
@@ -134,10 +146,12 @@ __all__ = [
     "check_tp_sizes",
     "contiguous_positions",
     "copy_to_tp_region",
+    "gather_for_column_parallel",
     "gather_from_sequence_parallel_region",
     "gather_from_tp_region",
     "gather_full",
     "gather_tensor",
+    "linear_with_sequence_gather",
     "load_balance",
     "local_piece",
     "parallelize_llama",

@@ -253,6 +253,14 @@ class _Local:
         return torch.stack((_unrepeat(dk, self.group), _unrepeat(dv, self.group)))
 
 
+def ring_step(q, out, lse, kv, cp: int, rank: int, source: int, layout: str = "zigzag"):
+    """One ring step of rank `rank`, no communication: (out, lse) merged with its queries' causal
+    attention to rank `source`'s K/V block [2, B, H_kv, t, d], as new tensors (start: 0, -inf)."""
+    out, lse = out.clone(), lse.clone()
+    _Local(q, kv.shape[2], cp, rank, layout, True).attend(q, out, lse, kv, source)
+    return out, lse
+
+
 # --- the two variants ---------------------------------------------------------------------------
 
 

@@ -25,6 +25,9 @@ all-to-alls per forward (counts, rows) and one more in combine, the reverse one 
 Gradients: with each rank's loss a sum over its own tokens, the expert gradients are complete on
 their rank (every token that chose the expert, from every rank, backpropagated into it); the
 replicated parameters' gradients are partial sums to all-reduce over the group, as under DP.
+
+Load: each layer's all-to-all waits for the rank whose experts got the most rows, so a step's
+imbalance is its worst dispatch's max/mean rows over the group (`load_imbalance`).
 """
 
 from __future__ import annotations
@@ -54,7 +57,9 @@ class _AllToAll(torch.autograd.Function):
         return grad_in, None, None, None
 
 
-def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """Rows of x out by `in_splits` to each rank of `group`, `out_splits` rows in from each (autograd:
+    the gradient goes back the same way). Not dist.all_to_all, which takes lists of tensors."""
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
@@ -76,7 +81,7 @@ class AllToAllDispatcher:
         received = recv.view(self.ep, self.local).tolist()  # the host sync (see the docstring)
         in_splits = [sum(counts[q * self.local:(q + 1) * self.local]) for q in range(self.ep)]
         out_splits = [sum(row) for row in received]
-        arrived = all_to_all(rows, out_splits, in_splits, self.group)
+        arrived = all_to_all_rows(rows, out_splits, in_splits, self.group)
         starts, at = [], 0  # where rows (source s, local expert e) begin in `arrived`
         for row in received:
             starts.append([])
@@ -96,8 +101,27 @@ class AllToAllDispatcher:
         in_splits, out_splits, regroup = self._state
         self._state = None
         source_major = expert_outputs[torch.argsort(regroup)]
-        returned = all_to_all(source_major, in_splits, out_splits, self.group)
+        returned = all_to_all_rows(source_major, in_splits, out_splits, self.group)
         return unpermute(returned, plan)
+
+
+class CountingDispatcher(AllToAllDispatcher):
+    """The all-to-all dispatcher, logging per dispatch from the routing counts (A, B, rows): the
+    rows this rank sends to the other EP ranks, the rows it receives, the rows its experts process
+    (for the reports' byte formula and load imbalance; `log` is emptied by whoever reads it)."""
+
+    def __init__(self, group, n_experts: int):
+        super().__init__(group, n_experts)
+        rank = dist.get_rank(group)
+        self.mine = slice(rank * self.local, (rank + 1) * self.local)
+        self.log: list[tuple[int, int, int]] = []
+
+    def dispatch(self, x: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, list[int]]:
+        counts = plan.counts.tolist()
+        rows, local_counts = super().dispatch(x, plan)
+        own = sum(counts[self.mine])
+        self.log.append((sum(counts) - own, sum(local_counts) - own, sum(local_counts)))
+        return rows, local_counts
 
 
 def all_to_all_bytes(sent: int, received: int, dim: int, e: int, ep: int, n_experts: int,
@@ -109,10 +133,22 @@ def all_to_all_bytes(sent: int, received: int, dim: int, e: int, ep: int, n_expe
     return counts + (2 if backward else 1) * (sent + received) * dim * e
 
 
-def expert_parallel(model: nn.Module, group) -> list[MoEFeedForward]:
+def load_imbalance(rows: torch.Tensor, ep: int) -> torch.Tensor:
+    """rows [steps, dispatches, ranks]: the rows each rank's experts took in each dispatch (one per
+    MoE layer and micro-batch; EP groups: ep consecutive ranks) → per step, the max over
+    dispatches and groups of max/mean over the group. Each layer's all-to-all waits for its
+    slowest rank, so a step is as slow as its worst dispatch: rows summed over a step's layers
+    would average the stragglers out."""
+    grouped = rows.unflatten(-1, (-1, ep))
+    return (grouped.amax(-1) / grouped.mean(-1).clamp_min(1e-300)).flatten(1).amax(-1)
+
+
+def expert_parallel(model: nn.Module, group, dispatcher: type[AllToAllDispatcher] = AllToAllDispatcher
+                    ) -> list[MoEFeedForward]:
     """Every MoE layer of `model` (a model, a block or a layer) keeps only this rank's experts
-    [r·E/ep, (r+1)·E/ep) and dispatches by all-to-all over `group`, in place. Checks before any
-    collective: E divisible by the group's size."""
+    [r·E/ep, (r+1)·E/ep) and dispatches by all-to-all over `group` (a `dispatcher`(group, E):
+    AllToAllDispatcher or a subclass), in place. Checks before any collective: E divisible by the
+    group's size."""
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     layers = [model] if isinstance(model, MoEFeedForward) else moe_layers(model)
     for layer in layers:
@@ -129,5 +165,5 @@ def expert_parallel(model: nn.Module, group) -> list[MoEFeedForward]:
             for name in ("w1", "w2", "w3"):
                 getattr(local, name).copy_(getattr(full, name)[lo:hi])
         layer.experts = local
-        layer.dispatcher = AllToAllDispatcher(group, E)
+        layer.dispatcher = dispatcher(group, E)
     return layers

@@ -2,31 +2,45 @@
 (in the style of Korthikanti et al. 2022, §4) and the bytes each block communicates.
 
 Activations per transformer block, per rank (b sequences of s tokens, width h, a query heads, FFN
-width F, t ranks, e bytes per element), itemized from what autograd saves:
+width F, t ranks, e bytes per element), itemized from what autograd saves; under SP each term
+marked (sp) holds this rank's s/t tokens instead of all s:
 
-    RMSNorm (×2)  its input x, x·r (both b·s·h), r = rsqrt(mean x² + ε) (b·s)
-    Q, K, V       the norm's output y (b·s·h, one storage read by wq, wk, wv)
+    RMSNorm (×2)  its input x, x·r (both b·s·h, sp), r = rsqrt(mean x² + ε) (b·s, sp)
+    Q, K, V       the norm's output y (b·s·h; one storage read by wq, wk, wv), sp: the column
+                  layers save y's local s/t tokens and all-gather them again in backward
     attention     q, k, v after RoPE and the GQA repeat (3·b·s·h/t), its output (b·s·h/t),
                   the log-sum-exp (b·(a/t)·s, float32 or better): the flash kernel keeps no s×s
-    FFN           y (b·s·h); w1 x, w3 x, silu(w1 x) and their product (4·b·s·F/t)
+    FFN           y (b·s·h, sp, as for Q, K, V); w1 x, w3 x, silu(w1 x), their product (4·b·s·F/t)
     (RoPE saves only its cos/sin tables, once for all blocks: a model-level term.)
 
-    no SP:  s·b·h·e · (6 + 4/t + 4F/(h·t))  + small terms
-    SP:     s·b·h·e · (2 + 8/t + 4F/(h·t))  + small terms
+    no SP:  s·b·h·e · (6 + 4/t + 4F/(h·t))  + s·b·(2e + (a/t)·max(e, 4))
+    SP:     s·b·h·e · (10 + 4F/h) / t        + s·b·(2e + a·max(e, 4)) / t
 
-Unlike GPT (Korthikanti: sbh(10 + 24/t + 5as/(ht)) without SP, sbh(34/t + 5as/(ht)) with it),
-LLaMA has no dropout masks, no biases, SwiGLU's four F-wide tensors instead of GeLU's two 4h-wide,
-and the flash kernel replaces the 5as/(ht) softmax term by a log-sum-exp. SP divides by t
-everything between the TP regions (the norms' inputs and products: 4 b·s·h); the 2 that stay are
-the all-gathered norm outputs, which the column layers save whole. Megatron keeps only the local
-s/t slice and all-gathers it again in backward (2 more all-gathers per block), reaching 2/t.
+Korthikanti et al. count s·b·h·(34 + 5as/h)/t bytes per GPT layer with SP (e = 2). Term by term,
+theirs → ours (bytes, e = 2; everything /t under SP):
+
+    LayerNorm inputs 4sbh              → RMSNorm inputs and x·r 8sbh (+ r: 4sb)
+    QKV input 2sbh, Q and K 4sbh, V 2sbh → the same (q, k after RoPE; GQA's K/V repeated to a heads)
+    softmax 2as²b + dropout mask as²b + dropout output 2as²b → log-sum-exp 4asb (flash)
+    attention-output projection input 2sbh; its dropout mask sbh → 2sbh; no dropout
+    MLP input 2sbh; GeLU input and output 8sbh + 8sbh; dropout mask sbh
+                                       → 2sbh; w1 x, w3 x, silu, product 8sbF; no dropout
+    total  sbh(34 + 5as/h)/t           → sbh(20 + 8F/h)/t + sb(4 + 4a)/t
+
+With LLaMA's F ≈ 8h/3 that is ≈ 41.3·sbh/t: SwiGLU's four F-wide tensors (21.3) outweigh GPT's
+two 4h-wide ones (16) and the unfused RMSNorm saves x·r beside x; the s×s terms are gone.
+Before the column layers saved the local slice they saved the gathered norm outputs, 2·sbh·e per
+block whatever t (at t = 8 about twice Megatron's activations); `tests/test_tensor_parallel.py`
+holds the ledger to this count to the byte.
 
 Communication per block per micro-batch (wire bytes per rank, nccl-tests convention):
 
     no SP: 2 all-reduces forward (g after wo, w2) + 2 backward (f before QKV, w1/w3) of b·s·h·e
            → 4 · 2(t-1)/t · b·s·h·e
-    SP:    2 all-gathers + 2 reduce-scatters forward, the same backward → 8 · (t-1)/t · b·s·h·e
-           (the same bytes), plus the norms' weight gradients: 2 all-reduces of h·e backward
+    SP:    forward 2 all-gathers + 2 reduce-scatters; backward the same, plus the column layers'
+           2 all-gathers of their saved s/t tokens → (6 + 4) · (t-1)/t · b·s·h·e (1.25× no SP;
+           the gathers in backward overlap the dx GEMMs on a GPU), plus the norms' weight
+           gradients: 2 all-reduces of h·e backward
 """
 
 from __future__ import annotations
@@ -62,7 +76,7 @@ def layer_activation_terms(x: Shape) -> dict[str, float]:
         "norm inputs x, h (2)": 2 * bsh * local,
         "norm products x·r (2)": 2 * bsh * local,
         "norm rsqrt r (2)": 2 * b * s * e * local,
-        "norm outputs, read by the column layers (2)": 2 * bsh,
+        "norm outputs, read by the column layers (2)": 2 * bsh * local,
         "q, k, v after RoPE + GQA repeat": 3 * bsh / t,
         "attention output": bsh / t,
         "attention log-sum-exp": b * (x.a // t) * s * max(e, 4),
@@ -85,7 +99,7 @@ def model_activation_terms(x: Shape) -> dict[str, float]:
         "embedding ids (int64) + out-of-range mask (bool)": b * s * (8 + 1),
         "RoPE cos, sin": s * x.head_dim * e,
         "final norm x, x·r, r": (2 * b * s * h + b * s) * e * local,
-        "head input (norm output, whole sequence)": b * s * h * e,
+        "head input (the final norm's output)": b * s * h * e * local,
         "loss: softmax over the local vocab, target ids, in-range mask": b * s * (rows * max(e, 4) + 8 + 1),
     }
 
@@ -94,15 +108,30 @@ def model_activation_bytes(x: Shape) -> float:
     return sum(model_activation_terms(x).values())
 
 
-def block_comm_bytes(x: Shape) -> dict[str, float]:
-    """Wire bytes per rank of one block's forward + backward (one micro-batch), by collective."""
+def block_comm_terms(x: Shape) -> dict[str, tuple[str, float]]:
+    """One block's forward + backward (one micro-batch): {purpose: (collective, wire bytes per
+    rank)}, the collective by the meter's name."""
     t, bshe = x.t, x.b * x.s * x.h * x.e
     if t == 1:
         return {}
+    one = (t - 1) / t * bshe
     if x.sequence_parallel:
-        return {"all_gather": 4 * (t - 1) / t * bshe, "reduce_scatter": 4 * (t - 1) / t * bshe,
-                "all_reduce": 2 * 2 * (t - 1) / t * x.h * x.e}
-    return {"all_reduce": 4 * 2 * (t - 1) / t * bshe}
+        return {"forward: all-gathers before QKV, w1/w3": ("all_gather", 2 * one),
+                "forward: reduce-scatters after wo, w2": ("reduce_scatter", 2 * one),
+                "backward: their reduce-scatters": ("reduce_scatter", 2 * one),
+                "backward: their all-gathers": ("all_gather", 2 * one),
+                "backward: re-gathers of the saved s/t tokens": ("all_gather", 2 * one),
+                "backward: the norms' weight gradients": ("all_reduce", 2 * 2 * (t - 1) / t * x.h * x.e)}
+    return {"forward: g after wo, w2": ("all_reduce", 2 * 2 * one),
+            "backward: f before QKV, w1/w3": ("all_reduce", 2 * 2 * one)}
+
+
+def block_comm_bytes(x: Shape) -> dict[str, float]:
+    """`block_comm_terms` summed by collective."""
+    out: dict[str, float] = {}
+    for op, value in block_comm_terms(x).values():
+        out[op] = out.get(op, 0.0) + value
+    return out
 
 
 def local_parameter_count(x: Shape) -> tuple[int, int]:
@@ -118,7 +147,8 @@ def microbatch_comm_bytes(x: Shape, embedding: bool = True, head: bool = True) -
     """Wire bytes per rank of one micro-batch's forward + backward through x.L blocks (with the
     replicated K/V heads' gradient sums), the embedding's boundary if held (g, or SP's
     reduce-scatter + all-gather: the same bytes) and the head's (f, or SP's all-gather +
-    reduce-scatter + the final norm's weight gradient) with the vocab-parallel loss."""
+    reduce-scatter + the re-gather of its saved s/t tokens + the final norm's weight gradient)
+    with the vocab-parallel loss."""
     t, bshe, ar = x.t, x.b * x.s * x.h * x.e, 2 * (x.t - 1) / x.t
     total = x.L * sum(block_comm_bytes(x).values())
     if x.kv < t:  # wk, wv gradients summed over the replicas of each K/V head
@@ -126,7 +156,8 @@ def microbatch_comm_bytes(x: Shape, embedding: bool = True, head: bool = True) -
     if embedding:
         total += ar * bshe
     if head:  # + the loss: MAX of N, SUM of [sum-exp, target logit]
-        total += ar * bshe + (ar * x.h * x.e if x.sequence_parallel else 0) + ar * 3 * x.b * x.s * max(x.e, 4)
+        sp = (ar / 2 * bshe + ar * x.h * x.e) if x.sequence_parallel else 0
+        total += ar * bshe + sp + ar * 3 * x.b * x.s * max(x.e, 4)
     return total
 
 

@@ -9,6 +9,7 @@ import math
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from common.diagnosis import Finding, first_difference, near
 from common.grader import Property
+from common.patch import patch_dist
 
 __all__ = ["EXTRA", "TPS", "WORLD", "B", "T", "agree", "close", "counting", "diagnose", "everyone",
            "first_difference", "rand", "to_rank0", "tp_group", "where"]
@@ -87,8 +89,6 @@ def counting(lab) -> Iterator[list[str]]:
     calls another counts once), wrapped on torch.distributed and on your module."""
     calls: list[str] = []
     depth = [0]
-    saved = [(m, n, getattr(m, n)) for n in COLLECTIVES for m in (dist, c10d, lab)
-             if callable(getattr(m, n, None)) and (m is not lab or getattr(m, n) is getattr(dist, n, None))]
 
     def wrap(name, fn):
         def call(*args, **kwargs):
@@ -101,13 +101,8 @@ def counting(lab) -> Iterator[list[str]]:
                 depth[0] -= 1
         return call
 
-    for module, name, fn in saved:
-        setattr(module, name, wrap(name, fn))
-    try:
+    with patch_dist({name: partial(wrap, name) for name in COLLECTIVES}, also=(c10d, lab)):
         yield calls
-    finally:
-        for module, name, fn in saved:
-            setattr(module, name, fn)
 
 
 def diagnose(got, want, suspects: list[tuple[torch.Tensor, str]], t: int, what: str,

@@ -15,7 +15,10 @@ Megatron's MLP, Y = GeLU(X A_i) B_i summed by one all-reduce. Every layer takes 
 The names are Megatron's, and so are the arguments' meanings: `gather_output` all-gathers Y (else
 rank i keeps Y_i), `input_is_parallel` says X arrives already split along its last dim (else the
 layer keeps its slice), `sequence_parallel` all-gathers the s/t tokens of the input (column) or
-reduce-scatters the output over them (row; it needs input_is_parallel, as in Megatron).
+reduce-scatters the output over them (row; it needs input_is_parallel, as in Megatron). A
+sequence-parallel column layer saves its input's local s/t tokens, not the gathered s, and
+gathers them again in backward while it computes dx (Megatron's
+LinearWithGradAccumulationAndAsyncCommunication): `linear_with_sequence_gather`.
 input_is_parallel defaults to True (the output of a column layer; Megatron-core makes you say it,
 Megatron 1 defaulted to False): a full-width X then fails on its shape, never silently. forward
 returns the output tensor like nn.Linear (Megatron 1's contract; Megatron-core returns (output,
@@ -33,7 +36,7 @@ from torch import nn
 
 from .mappings import (
     copy_to_tp_region,
-    gather_from_sequence_parallel_region,
+    gather_for_column_parallel,
     gather_from_tp_region,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -51,13 +54,56 @@ def _shard_rows(full: torch.Tensor, index: int, rows: int) -> torch.Tensor:
     return out
 
 
+class _SequenceParallelLinear(torch.autograd.Function):
+    """y = x Wᵀ + b where x = all-gather(x_local) over the sequence. Saves x_local (s/t tokens)
+    and W; backward: start the all-gather of x_local, dx = dy W while it runs, then dW = dyᵀ x
+    (x's gradient goes on to the gather's reduce-scatter, summed over the layers that read it).
+    A zero-bubble split backward (chapter 06's backward_split) runs it twice, setting
+    `split_backward`: "input" computes only dx (no gather), "weight" only dW."""
+
+    @staticmethod
+    def forward(ctx, x, local, weight, bias, gather):
+        gather.readers += 1
+        ctx.gather, ctx.has_bias, ctx.split_backward = gather, bias is not None, None
+        ctx.save_for_backward(local, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        local, weight = ctx.saved_tensors
+        want_dx = ctx.needs_input_grad[0] and ctx.split_backward != "weight"
+        if ctx.split_backward == "input":
+            return (dy.matmul(weight) if want_dx else None), None, None, None, None
+        ctx.gather.start(local)
+        dx = dy.matmul(weight) if want_dx else None
+        x = ctx.gather.wait()
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dw = dy2.t().matmul(x.reshape(-1, x.shape[-1]))
+        db = dy2.sum(0) if ctx.has_bias else None
+        return dx, None, dw, db, None
+
+
+def linear_with_sequence_gather(x: torch.Tensor, weight: torch.Tensor,
+                                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear on the output of `gather_for_column_parallel`, saving only its local slice."""
+    carried = getattr(x, "sequence_gather", None)
+    if carried is None:
+        raise ValueError("a sequence-parallel column layer with input_is_mapped=True reads the output "
+                         "of gather_for_column_parallel (it carries the local s/t tokens the layer "
+                         "saves); gather_from_sequence_parallel_region's output does not")
+    local, gather = carried
+    return _SequenceParallelLinear.apply(x, local, weight, bias, gather)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y_i = X A_iᵀ with A_i = rows [i·o/t, (i+1)·o/t) of the full weight.
 
     Input mapping (once per layer, unless `input_is_mapped`): Megatron's f (copy; backward
     all-reduce), or with `sequence_parallel` the all-gather of the s/t tokens (backward
-    reduce-scatter). `input_is_mapped=True` when the caller did it once for several layers reading
-    the same input (Q, K, V; gate and up). `gather_output` all-gathers Y (else Y stays split).
+    reduce-scatter), after which the layer saves only the s/t tokens and gathers them again in
+    backward. `input_is_mapped=True` when the caller did it once for several layers reading
+    the same input (Q, K, V; gate and up): with `sequence_parallel`, by gather_for_column_parallel.
+    `gather_output` all-gathers Y (else Y stays split).
     `num_shards` < t replicates each shard on t/num_shards consecutive ranks (K/V heads when
     n_kv_heads < t); their gradients are summed over the replicas. `out_features` not divisible by
     `num_shards` is padded with zero rows (the vocab of the output head)."""
@@ -102,13 +148,14 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_mapped:
-            x = (gather_from_sequence_parallel_region(x, self.group) if self.sequence_parallel
+            x = (gather_for_column_parallel(x, self.group) if self.sequence_parallel
                  else copy_to_tp_region(x, self.group))
         weight, bias = self.weight, self.bias
         if self.num_shards < group_size(self.group):
             weight = sum_among_replicas(weight, self.group, self.num_shards)
             bias = None if bias is None else sum_among_replicas(bias, self.group, self.num_shards)
-        y = F.linear(x, weight, bias)
+        y = (linear_with_sequence_gather(x, weight, bias) if self.sequence_parallel
+             else F.linear(x, weight, bias))
         if self.gather_output:
             y = gather_from_tp_region(y, self.group)[..., :self.out_features]
         return y

@@ -16,6 +16,10 @@ regions between the TP blocks (norms, residuals) hold only s/t tokens per rank:
     reduce_scatter_to_sequence_parallel_region  forward: reduce-scatter     backward: all-gather
 
 plus the trivial last-dim gather/scatter (for `gather_output=True` and `input_is_parallel=False`).
+
+What the column layers after SP's all-gather save for backward is Megatron's choice too: not the
+gathered s tokens (b·s·h per norm, whatever t) but this rank's s/t slice, gathered again in
+backward (`gather_for_column_parallel` and `SequenceGather`; layers.py's linear).
 Every function takes the TP `group` explicitly. The gathers and reduce-scatters go through
 common/collectives.py (torch's name of the day, looked up at call time), always with SUM: never
 ReduceOp.AVG. Megatron's tensors are [s, b, h] and its sequence dim is 0; ours are [b, s, h], so
@@ -60,6 +64,16 @@ def reduce_scatter_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     out = front.new_empty((front.shape[0] // n, *front.shape[1:]))
     reduce_scatter_single(out, front, group=group)
     return out.movedim(0, dim)
+
+
+def start_all_gather_along(x: torch.Tensor, dim: int, group) -> tuple[torch.Tensor, object]:
+    """`all_gather_along`, launched asynchronously: (the output with `dim` moved first, the work
+    handle or None); the output is complete after `work.wait()`."""
+    front = x.movedim(dim, 0).contiguous()
+    if _size(group) == 1:
+        return front, None
+    out = front.new_empty((_size(group) * front.shape[0], *front.shape[1:]))
+    return out, all_gather_single(out, front, group=group, async_op=True)
 
 
 def split_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -153,6 +167,46 @@ class _ScatterSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return all_gather_along(grad, ctx.dim, ctx.group), None, None
+
+
+class SequenceGather:
+    """The all-gathered input of the column layers that read it, rebuilt in backward from the
+    local s/t slice they save (Megatron's sequence-parallel linear, shared here by the layers of
+    one input: wq, wk, wv; w1, w3). `readers` counts the layers that registered in forward. Each
+    backward pass gathers once: its first reader starts the all-gather (asynchronously, so the
+    reader's dx = dy·W GEMM runs while it travels), every reader waits for it, and the last one
+    drops the full tensor. A split backward (chapter 06's ZB-H1: B, then W) is two passes, two
+    gathers."""
+
+    def __init__(self, group, dim: int):
+        self.group, self.dim, self.readers = group, dim, 0
+        self._pending, self._out, self._work = 0, None, None
+
+    def start(self, local: torch.Tensor) -> None:
+        """Launch this pass's all-gather of `local` unless an earlier reader of the pass did."""
+        if self._out is None:
+            self._out, self._work = start_all_gather_along(local, self.dim, self.group)
+            self._pending = self.readers
+
+    def wait(self) -> torch.Tensor:
+        """The gathered input (a view, sequence dim at `dim`); dropped after the pass's last reader."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        full = self._out.movedim(0, self.dim)
+        self._pending -= 1
+        if self._pending <= 0:
+            self._out = None
+        return full
+
+
+def gather_for_column_parallel(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """`gather_from_sequence_parallel_region` for column-parallel layers: the gathered tensor
+    carries its local slice and a `SequenceGather` (`.sequence_gather`), so the sequence-parallel
+    column layers that read it save the s/t tokens and gather them again in backward."""
+    full = _GatherSequence.apply(x, group, dim)
+    full.sequence_gather = (x.detach(), SequenceGather(group, dim))
+    return full
 
 
 def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:

@@ -25,9 +25,11 @@ every rank and flows through the same two sums, so each rank backpropagates 1/t 
 Expert parallelism composes unchanged (expert_parallel.py): an EP group is ranks of one TP index,
 which hold the same hidden slice of different experts; the rows they exchange are whole tokens.
 
-Bytes per MoE block and micro-batch: the dense block's (f and g: 2 · 2(t-1)/t · b·s·h·e; SP: an
-all-gather and a reduce-scatter each way, the same bytes) + the router's weight gradient,
-2(t-1)/t · E·h·e (`router_grad_bytes`). Depends only on torch, the chapter and common/moe.py.
+Bytes per MoE block and micro-batch: the dense block's (formulas.block_comm_terms) + the router's
+weight gradient, 2(t-1)/t · E·h·e, and under SP one all-gather fewer: the MoE layer keeps the
+s tokens it gathered (the router, the permuted rows and the shared expert read them) instead of
+gathering its s/t again in backward as the dense SwiGLU's w1/w3 do (`moe_block_extra_bytes`).
+Depends only on torch, the chapter and common/moe.py.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from torch import nn
 
 from common.moe import MoEAuxLossAutoScaler, MoEFeedForward, route
 
+from .formulas import Shape
 from .mappings import (
     copy_to_tp_region,
     gather_from_sequence_parallel_region,
@@ -109,8 +112,10 @@ class TensorParallelMoE(MoEFeedForward):
         g, sp = self.group, self.sequence_parallel
         x = gather_from_sequence_parallel_region(x, g) if sp else copy_to_tp_region(x, g)
         B, T, D = x.shape
-        logits = F.linear(x, copy_to_tp_region(self.router.weight, g))  # its gradient summed over TP
-        plan, balance = route(logits, self.top_k, self.gate, self.capacity_factor)
+        router_dtype = torch.promote_types(x.dtype, torch.float32)  # bf16 activations: fp32 logits
+        weight = copy_to_tp_region(self.router.weight, g)  # its gradient summed over TP
+        logits = F.linear(x.to(router_dtype), weight.to(router_dtype))
+        plan, balance = route(logits, self.top_k, self.gate, self.capacity_factor, dtype=x.dtype)
         flat = x.reshape(B * T, D)
         inputs, counts = self.dispatcher.dispatch(flat, plan)
         y = self.dispatcher.combine(self.experts(inputs, counts), plan)  # partial over the TP ranks
@@ -158,6 +163,11 @@ def parallelize_moe_llama(model: nn.Module, tp_group, sequence_parallel: bool = 
     return apply_tp_plan(model, tp_group, moe_tp_plan(model), sequence_parallel)
 
 
-def router_grad_bytes(n_experts: int, dim: int, t: int, e: int) -> float:
-    """Wire bytes per rank of one MoE layer's router weight-gradient all-reduce (per backward)."""
-    return 2 * (t - 1) / t * n_experts * dim * e if t > 1 else 0.0
+def moe_block_extra_bytes(x: Shape, n_experts: int) -> float:
+    """Wire bytes per rank that one MoE block's forward + backward adds to the dense block's
+    (formulas.block_comm_bytes, per micro-batch): the router's weight-gradient all-reduce,
+    2(t-1)/t · E·h·e, less under SP the backward re-gather of the s/t tokens, (t-1)/t · b·s·h·e."""
+    if x.t == 1:
+        return 0.0
+    regather = (x.t - 1) / x.t * x.b * x.s * x.h * x.e if x.sequence_parallel else 0.0
+    return 2 * (x.t - 1) / x.t * n_experts * x.h * x.e - regather

@@ -24,7 +24,9 @@ One block, t ranks (no SP)                         with sequence parallelism (SP
     row-parallel:    wo, w2 (then g = all-reduce; under SP, RS = reduce-scatter over the sequence)
 
 Per block per micro-batch: no SP, 2 all-reduces of b·s·h forward (the g's) and 2 backward (the
-f's); with SP, 2 all-gathers + 2 reduce-scatters of b·s·h in each direction (same wire bytes).
+f's); with SP, 2 all-gathers + 2 reduce-scatters of b·s·h in each direction (the same wire
+bytes), plus 2 all-gathers in backward: the column layers save their input's s/t tokens, not
+the gathered s, and gather them again (once for wq, wk, wv; once for w1, w3).
 K/V heads are split when n_kv_heads is divisible by t, and each replicated on t/n_kv_heads ranks
 when n_kv_heads < t (their gradients summed over the replicas: one more all-reduce each).
 """
@@ -38,7 +40,7 @@ from torch import nn
 
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import ColumnParallelLinear, RowParallelLinear, SequenceParallelRMSNorm, VocabParallelEmbedding
-from .mappings import copy_to_tp_region, gather_from_sequence_parallel_region
+from .mappings import copy_to_tp_region, gather_for_column_parallel
 from .sharding import TPShard, group_size, tp_shard_specs
 
 # --- the styles: how one module is cut ----------------------------------------------------------
@@ -172,23 +174,7 @@ def _apply(style: Style, name: str, parent: nn.Module, module: nn.Module, group,
     t = group_size(group)
     if isinstance(style, ColumnSplit):
         linear = _linear(name, module, style)
-        shards, out = t, linear.out_features
-        if style.head_dim is not None:
-            width = getattr(parent, style.head_dim, None)
-            if not isinstance(width, int):
-                raise ValueError(f"{name}: its parent has no integer attribute {style.head_dim!r} "
-                                 "(ColumnSplit's head_dim names the attribute holding one head's width)")
-            heads = out // width
-            if heads % t == 0:
-                shards = t
-            elif style.replicate_heads and t % heads == 0:
-                shards = heads  # each head on t/heads consecutive ranks
-            else:
-                also = f" or a multiple of {heads}" if style.replicate_heads else ""
-                raise ValueError(f"{name}: {heads} heads do not split over the TP size {t}: each rank "
-                                 f"needs whole heads (use a TP size dividing {heads}{also})")
-        elif out % t and not style.pad:
-            raise ValueError(f"{name}: {out} output features are not divisible by the TP size {t}")
+        shards = _column_shards(style, name, parent, linear, t)
         return ColumnParallelLinear.from_linear(linear, group, sequence_parallel=sp,
                                                 input_is_mapped=input_mapped, num_shards=shards)
     if isinstance(style, RowSplit):
@@ -209,12 +195,73 @@ def _apply(style: Style, name: str, parent: nn.Module, module: nn.Module, group,
     raise TypeError(f"{name}: unknown style {style!r}")
 
 
+def _column_shards(style: ColumnSplit, name: str, parent: nn.Module, linear: nn.Linear, t: int) -> int:
+    """How many distinct pieces a ColumnSplit cuts `linear` into over t ranks (t, or the head
+    count when fewer heads than ranks are replicated); raises naming what does not split."""
+    out = linear.out_features
+    if style.head_dim is not None:
+        width = getattr(parent, style.head_dim, None)
+        if not isinstance(width, int):
+            raise ValueError(f"{name}: its parent has no integer attribute {style.head_dim!r} "
+                             "(ColumnSplit's head_dim names the attribute holding one head's width)")
+        heads = out // width
+        if heads % t == 0:
+            return t
+        if style.replicate_heads and t % heads == 0:
+            return heads  # each head on t/heads consecutive ranks
+        also = f" or a multiple of {heads}" if style.replicate_heads else ""
+        raise ValueError(f"{name}: {heads} heads do not split over the TP size {t}: each rank "
+                         f"needs whole heads (use a TP size dividing {heads}{also})")
+    if out % t and not style.pad:
+        raise ValueError(f"{name}: {out} output features are not divisible by the TP size {t}")
+    return t
+
+
+def plan_table(module: nn.Module, tp: int, plan: dict[str, Style] = LLAMA_TP_PLAN,
+               sequence_parallel: bool = False) -> list[dict]:
+    """What `apply_tp_plan(module, group of tp ranks, plan, sequence_parallel)` does, as data, with
+    no process group and nothing cut (a meta-device model will do): one row per module the plan
+    names, in plan order: "name", "style" (its class name), "shape" (the weight's, torch's [out,
+    in] for a linear; None without one), "dim" (the weight dim split over the ranks: 0 rows, 1
+    columns; None: replicated), "shards" (distinct pieces; tp/shards consecutive ranks hold each),
+    "comm" (the collective at the module's boundary: "f" or SP's "all-gather" on its input, "g" or
+    SP's "reduce-scatter" on its output, "grad all-reduce" of an SP norm's weight, "" none). The
+    same checks as apply_tp_plan raise the same errors."""
+    sp = sequence_parallel
+    mapped = [name for name, style in plan.items() if isinstance(style, MappedInput)]
+    rows = []
+    for pattern, style in plan.items():
+        for name, parent, _, target in _resolve(module, pattern):
+            weight = getattr(target, "weight", None)
+            row = {"name": name, "style": type(style).__name__, "dim": None, "shards": 1, "comm": "",
+                   "shape": None if weight is None else list(weight.shape)}
+            if isinstance(style, ColumnSplit):
+                linear = _linear(name, target, style)
+                own_input = not any(pattern.startswith(f"{m}.") for m in mapped)
+                row.update(dim=0, shards=_column_shards(style, name, parent, linear, tp),
+                           comm=("all-gather" if sp else "f") if own_input else "")
+            elif isinstance(style, RowSplit):
+                if _linear(name, target, style).in_features % tp:
+                    raise ValueError(f"{name}: {target.in_features} input features are not divisible "
+                                     f"by the TP size {tp}")
+                row.update(dim=1, shards=tp, comm="reduce-scatter" if sp else "g")
+            elif isinstance(style, VocabSplit):
+                row.update(dim=0, shards=tp, comm="reduce-scatter" if sp else "g")
+            elif isinstance(style, MappedInput):
+                row.update(comm="all-gather" if sp else "f")
+            elif isinstance(style, SequenceNorm) and sp:
+                row.update(comm="grad all-reduce")
+            rows.append(row)
+    return rows
+
+
 def _map_input(group, sequence_parallel: bool):
-    """The forward pre-hook of MappedInput: f, or SP's all-gather of the sequence."""
+    """The forward pre-hook of MappedInput: f, or SP's all-gather of the sequence (whose column
+    layers save the local s/t tokens and gather them again in backward, once for all of them)."""
 
     def hook(module: nn.Module, args: tuple) -> tuple:
         x, *rest = args
-        x = (gather_from_sequence_parallel_region(x, group) if sequence_parallel
+        x = (gather_for_column_parallel(x, group) if sequence_parallel
              else copy_to_tp_region(x, group))
         return (x, *rest)
 

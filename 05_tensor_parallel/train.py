@@ -19,29 +19,22 @@ SwiGLU, moe_tensor_parallel.py) instead: train_expert.py.
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from common.cli import (
-    DTYPES,
-    BatchLayout,
-    ConfigError,
-    base_parser,
-    batch_layout,
-    model_config,
-    require,
-    validate_common,
-)
+from common.cli import ConfigError, base_parser, batch_layout, model_config, require, validate_common
 from common.clip import clip_grads_by_global_norm_
 from common.data import split_inputs_targets
 from common.dist import DistContext
 from common.memory import optimizer_state_tensors, storage_bytes
-from common.mesh import MeshShape, build_mesh
+from common.mesh import build_mesh, mesh_shape
 from common.mixed_precision import MasterWeights
 from common.model import build_model, initializer, materialize
 from common.optimizer_bytes import optimizer_state_bytes
 from common.reference import make_optimizer
+from common.run import Run, resolve_run
 from common.training import Strategy, run_main
 from tensor_parallel import (
     apply_context_parallel,
@@ -58,6 +51,7 @@ from tensor_parallel import (
 from tensor_parallel.formulas import (
     Shape,
     block_comm_bytes,
+    block_comm_terms,
     cp_activation_bytes,
     cp_comm_bytes,
     cp_model_activation_terms,
@@ -84,11 +78,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
-    """Everything that can be wrong with the input, checked before any collective."""
+@dataclass(frozen=True)
+class TensorParallelOptions:
+    """The chapter's resolved flags (the run's `options`); tp, cp, dp and ep are the run's mesh."""
+
+    sequence_parallel: bool = False
+
+
+def validate(args: argparse.Namespace, world_size: int) -> Run:
+    """Everything that can be wrong with the input, checked before any collective; the run."""
     validate_common(args)
     if model_config(args).n_experts:  # a MoE model: expert parallelism (train_expert.py)
-        return validate_moe(args, world_size)
+        return validate_moe(args, world_size, TensorParallelOptions(args.sequence_parallel))
     require(args.ep is None, f"--ep {args.ep} with --model {args.model}: the model has no experts: "
                              f"drop --ep, or use a mixture-of-experts model (e.g. --model tiny-moe)")
     cp = args.cp
@@ -104,7 +105,8 @@ def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
                                          f"dp = world / {over} must be whole; use a divisor of {world_size}")
     cfg = model_config(args)
     try:
-        check_cp_sizes(args.seq_len, cp)
+        if cp > 1:  # the zig-zag chunks; without CP any length trains
+            check_cp_sizes(args.seq_len, cp)
     except ValueError as error:
         raise ConfigError(f"--cp {cp} with --seq-len {args.seq_len}: {error}") from None
     try:
@@ -113,7 +115,9 @@ def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
     except ValueError as error:
         within = f" (the {args.seq_len // cp} tokens of a CP rank)" if cp > 1 else ""
         raise ConfigError(f"--tp {tp} with --model {args.model}: {error}{within}") from None
-    return batch_layout(args.global_batch, world_size // (tp * cp), args.micro_batch, args.grad_accum)
+    mesh = mesh_shape(world_size, tp=tp, cp=cp)
+    layout = batch_layout(args.global_batch, mesh.dp, args.micro_batch, args.grad_accum)
+    return resolve_run(args, mesh, layout, TensorParallelOptions(args.sequence_parallel))
 
 
 class TensorParallelStrategy(Strategy):
@@ -122,41 +126,38 @@ class TensorParallelStrategy(Strategy):
     gradients accumulate into fp32 master gradients as backward produces them, the DP all-reduce
     is fp32, AdamW updates the fp32 master shards."""
 
-    def __init__(self, args: argparse.Namespace, ctx: DistContext, layout: BatchLayout):
-        cfg, self.mixed = model_config(args), args.mixed_precision == "bf16"
-        self.cp = getattr(args, "cp", 1)
-        self.tp = ctx.world_size // self.cp if args.tp is None else args.tp
-        self.dp_size, self.dp_rank = ctx.world_size // (self.tp * self.cp), ctx.rank // (self.tp * self.cp)
-        self.cp_rank = ctx.rank // self.tp % self.cp
+    def __init__(self, run: Run, ctx: DistContext):
+        cfg, self.mixed = run.model, run.mixed
         # rank = (d·cp + c)·tp + i: TP consecutive, CP the same replica d and TP index i,
         # gradients averaged over the dp × cp ranks of TP index i (common/mesh.py)
-        grid = build_mesh(MeshShape(dp_shard=self.dp_size, cp=self.cp, tp=self.tp), ("tp", "cp", "dp_cp"))
+        grid = build_mesh(run.mesh, ("tp", "cp", "dp_cp"))
         self.tp_group, self.cp_group, self.grad_group = grid.tp_group, grid.cp_group, grid.dp_cp_group
-        self.sequence_parallel = args.sequence_parallel
+        self.tp, self.cp, self.dp_size = grid.tp, grid.cp, grid.dp
+        self.dp_rank, self.cp_rank = grid.dp_rank, grid.cp_rank
+        self.sequence_parallel = run.options.sequence_parallel
         # split the model on the meta device, then draw only this rank's slices onto its device
-        self.model = build_model(cfg, dtype=torch.float32 if self.mixed else DTYPES[args.dtype],
-                                 device="meta")
+        self.model = build_model(cfg, dtype=run.dtype, device="meta")
         self.specs = parallelize_llama(self.model, self.tp_group, self.sequence_parallel)
         if self.cp > 1:
             apply_context_parallel(self.model, self.cp_group)
-        materialize(self.model, initializer(cfg, args.seed), ctx.device,
+        materialize(self.model, initializer(cfg, run.seed), ctx.device,
                     lambda name, full: local_piece(full, self.specs[name]))
         self.names = [n for n, _ in self.model.named_parameters()]
         self.weights = MasterWeights(self.model.parameters(), enabled=self.mixed)
         if self.mixed:
             self.model.to(torch.bfloat16)  # in place: the masters keep the fp32 values
         self.weights.accumulate_in_backward()  # fp32 sum of the micro-batches, as the reference casts
-        self.optimizer = make_optimizer(self.weights.master, args.optimizer, args.lr)
-        self.optimizer_name, self.clip_grad = args.optimizer, args.clip_grad
+        self.optimizer = make_optimizer(self.weights.master, run.optimizer, run.lr)
+        self.optimizer_name, self.clip_grad = run.optimizer, run.clip_grad
         self.name = ("tp+sp" if self.sequence_parallel else "tp") + ("+cp" if self.cp > 1 else "")
         self.mesh = {"dp": self.dp_size, "cp": self.cp, "tp": self.tp} if self.cp > 1 else {
             "dp": self.dp_size, "tp": self.tp}
-        self.seq_len = args.seq_len
+        self.seq_len = run.seq_len
         e = self.model.output.weight.itemsize
-        self.shape = Shape(layout.micro_batch, args.seq_len // self.cp, cfg.dim, cfg.n_heads, cfg.n_kv_heads,
+        self.shape = Shape(run.micro_batch, run.seq_len // self.cp, cfg.dim, cfg.n_heads, cfg.n_kv_heads,
                            cfg.hidden_dim, cfg.n_layers, cfg.vocab_size, cfg.head_dim, self.tp,
                            self.sequence_parallel, e)
-        self.grad_accum, self.reduce_itemsize = layout.grad_accum, (4 if self.mixed else e)
+        self.grad_accum, self.reduce_itemsize = run.grad_accum, (4 if self.mixed else e)
 
     def micro_batch_loss(self, tokens: torch.Tensor) -> torch.Tensor:
         inputs, targets = split_inputs_targets(tokens)
@@ -227,7 +228,8 @@ class TensorParallelStrategy(Strategy):
         extras = {"tp": self.tp, "sequence_parallel": self.sequence_parallel,
                   "activation_per_layer_formula": layer_activation_bytes(self.shape),
                   "activation_terms": model_activation_terms(self.shape),
-                  "comm_per_block_formula": block_comm_bytes(self.shape)}
+                  "comm_per_block_formula": block_comm_bytes(self.shape),
+                  "comm_per_block_terms": {k: v for k, (_, v) in block_comm_terms(self.shape).items()}}
         if self.cp > 1:
             x = self.shape
             kv = x.kv // x.t if x.kv >= x.t else 1
@@ -239,10 +241,10 @@ class TensorParallelStrategy(Strategy):
         return extras
 
 
-def build(args: argparse.Namespace, ctx: DistContext, layout: BatchLayout) -> Strategy:
-    if model_config(args).n_experts:
-        return ExpertParallelStrategy(args, ctx, layout)
-    return TensorParallelStrategy(args, ctx, layout)
+def build(run: Run, ctx: DistContext) -> Strategy:
+    if run.model.n_experts:
+        return ExpertParallelStrategy(run, ctx)
+    return TensorParallelStrategy(run, ctx)
 
 
 if __name__ == "__main__":

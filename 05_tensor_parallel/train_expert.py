@@ -15,7 +15,7 @@ receives B = the other ranks' slots for its experts; the all-to-alls then send
 plus the count exchange (ep-1)/ep · E · 8 bytes (int64). Load: rows this rank's experts process.
 With --tp t every TP rank of a data-parallel rank dispatches the same rows in its own EP group
 (the same bytes each), and the TP collectives add chapter 05's per block (formulas.py) plus each
-MoE layer's router weight gradient (moe_tensor_parallel.router_grad_bytes).
+MoE layer's router weight gradient, less SP's re-gather (moe_tensor_parallel.moe_block_extra_bytes).
 """
 
 from __future__ import annotations
@@ -25,22 +25,27 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from common.cli import DTYPES, BatchLayout, ConfigError, batch_layout, model_config, require
+from common.cli import ConfigError, batch_layout, model_config, require
 from common.clip import clip_grads_by_global_norm_
 from common.collectives import all_gather_single
 from common.data import split_inputs_targets
 from common.dist import DistContext
 from common.memory import optimizer_state_tensors, storage_bytes
-from common.mesh import MeshError, MeshShape, build_mesh, mesh_shape
+from common.mesh import MeshError, build_mesh, mesh_shape
 from common.mixed_precision import MasterWeights
 from common.model import build_model, initializer, loss_fn, materialize
-from common.moe import RoutingPlan
 from common.optimizer_bytes import optimizer_state_bytes
 from common.reference import make_optimizer
+from common.run import Run, resolve_run
 from common.training import Strategy
-from tensor_parallel.expert_parallel import AllToAllDispatcher, all_to_all_bytes, expert_parallel
+from tensor_parallel.expert_parallel import (
+    CountingDispatcher,
+    all_to_all_bytes,
+    expert_parallel,
+    load_imbalance,
+)
 from tensor_parallel.formulas import Shape, microbatch_comm_bytes
-from tensor_parallel.moe_tensor_parallel import parallelize_moe_llama, router_grad_bytes
+from tensor_parallel.moe_tensor_parallel import moe_block_extra_bytes, parallelize_moe_llama
 from tensor_parallel.parallelize import check_tp_sizes, vocab_parallel_loss
 from tensor_parallel.sharding import gather_full, local_piece, tp_shard_specs
 
@@ -49,9 +54,10 @@ def is_expert(name: str) -> bool:
     return ".experts." in name
 
 
-def validate_moe(args: argparse.Namespace, world_size: int) -> BatchLayout:
+def validate_moe(args: argparse.Namespace, world_size: int, options: object) -> Run:
     """A MoE model: --cp 1 (routing and the per-sequence aux loss need whole sequences); --tp t
-    (default 1) cuts every expert, --ep (default: every data-parallel rank) divides dp = W/t and E."""
+    (default 1) cuts every expert, --ep (default: every data-parallel rank) divides dp = W/t and E
+    (the mesh's refusal: common/mesh.py)."""
     cfg = model_config(args)
     tp, cp = args.tp or 1, args.cp
     require(cp == 1, f"--model {args.model} is a mixture-of-experts model: not --cp {cp} (routing, "
@@ -59,77 +65,57 @@ def validate_moe(args: argparse.Namespace, world_size: int) -> BatchLayout:
                      f"--tp and --ep N")
     try:
         dp = mesh_shape(world_size, tp=tp).dp
-        shape = mesh_shape(world_size, tp=tp, ep=dp if args.ep is None else args.ep, n_experts=cfg.n_experts)
+        mesh = mesh_shape(world_size, tp=tp, ep=dp if args.ep is None else args.ep, n_experts=cfg.n_experts)
         check_tp_sizes(tp, cfg.n_heads, cfg.n_kv_heads, cfg.hidden_dim, args.seq_len,
                        args.sequence_parallel, cfg.expert_hidden_dim)
     except (MeshError, ValueError) as error:
         default = " (--ep defaults to every data-parallel rank)" if args.ep is None else ""
         raise ConfigError(f"--model {args.model}: {error}{default}") from None
-    return batch_layout(args.global_batch, shape.dp, args.micro_batch, args.grad_accum)
-
-
-class CountingDispatcher(AllToAllDispatcher):
-    """The all-to-all dispatcher, logging per dispatch from the routing counts (A, B, rows here)."""
-
-    def __init__(self, group, n_experts: int):
-        super().__init__(group, n_experts)
-        self.mine = slice(dist.get_rank(group) * self.local, (dist.get_rank(group) + 1) * self.local)
-        self.log: list[tuple[int, int, int]] = []
-
-    def dispatch(self, x: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, list[int]]:
-        counts = plan.counts.tolist()
-        rows, local_counts = super().dispatch(x, plan)
-        own = sum(counts[self.mine])
-        self.log.append((sum(counts) - own, sum(local_counts) - own, sum(local_counts)))
-        return rows, local_counts
+    layout = batch_layout(args.global_batch, mesh.dp, args.micro_batch, args.grad_accum)
+    return resolve_run(args, mesh, layout, options)
 
 
 class ExpertParallelStrategy(Strategy):
     """DP over the ranks of each TP index, experts over EP groups (and cut over TP), fp32 masters
     in mixed precision (as TP's)."""
 
-    def __init__(self, args: argparse.Namespace, ctx: DistContext, layout: BatchLayout):
-        cfg, self.mixed = model_config(args), args.mixed_precision == "bf16"
-        self.world, self.tp = ctx.world_size, args.tp or 1
-        self.dp_size = self.world // self.tp
-        self.ep = self.dp_size if args.ep is None else args.ep
+    def __init__(self, run: Run, ctx: DistContext):
+        cfg, self.mixed = run.model, run.mixed
+        self.sequence_parallel = run.options.sequence_parallel
         # EP group: ep consecutive dp ranks of one TP index; replica group: the dp ranks with the
         # same experts (same i = d mod ep); dp: every data-parallel rank of this TP index
-        grid = build_mesh(MeshShape(dp_shard=self.dp_size, tp=self.tp, ep=self.ep),
-                          ("tp", "ep", "dp", "expert_dp"))
+        grid = build_mesh(run.mesh, ("tp", "ep", "dp", "expert_dp"))
+        self.world, self.tp, self.ep, self.dp_size = grid.size, grid.tp, grid.ep, grid.dp
         self.ep_group, self.replica_group = grid.ep_group, grid.group("expert_dp")
         self.tp_group, self.dp_group, self.dp_rank = grid.tp_group, grid.dp_group, grid.dp_rank
-        self.model = build_model(cfg, dtype=torch.float32 if self.mixed else DTYPES[args.dtype],
-                                 device="meta")
-        self.specs = (parallelize_moe_llama(self.model, self.tp_group, args.sequence_parallel)
+        self.model = build_model(cfg, dtype=run.dtype, device="meta")
+        self.specs = (parallelize_moe_llama(self.model, self.tp_group, self.sequence_parallel)
                       if self.tp > 1 else tp_shard_specs(self.model, self.tp_group))
-        self.layers = expert_parallel(self.model, self.ep_group)
-        for layer in self.layers:
-            layer.dispatcher = CountingDispatcher(self.ep_group, cfg.n_experts)
+        self.layers = expert_parallel(self.model, self.ep_group, CountingDispatcher)
         mine = self.layers[0].dispatcher.mine
 
         def piece(name: str, full: torch.Tensor) -> torch.Tensor:  # its TP piece, then its experts
             local = local_piece(full, self.specs[name])
             return local[mine] if is_expert(name) else local
 
-        materialize(self.model, initializer(cfg, args.seed), ctx.device, piece)
+        materialize(self.model, initializer(cfg, run.seed), ctx.device, piece)
         self.names = [n for n, _ in self.model.named_parameters()]
         self.weights = MasterWeights(self.model.parameters(), enabled=self.mixed)
         if self.mixed:
             self.model.to(torch.bfloat16)
         self.weights.accumulate_in_backward()
-        self.optimizer = make_optimizer(self.weights.master, args.optimizer, args.lr)
-        self.optimizer_name, self.clip_grad = args.optimizer, args.clip_grad
+        self.optimizer = make_optimizer(self.weights.master, run.optimizer, run.lr)
+        self.optimizer_name, self.clip_grad = run.optimizer, run.clip_grad
         self.name = "ep" if self.tp == 1 else "tp+ep"
         self.mesh = {"dp": self.dp_size, **({"tp": self.tp} if self.tp > 1 else {}), "ep": self.ep}
         self.dim, self.n_experts, self.device = cfg.dim, cfg.n_experts, ctx.device
         self.e = self.model.output.weight.itemsize
         self.reduce_itemsize = 4 if self.mixed else self.e  # fp32 master gradients in mixed precision
         self.steps_log: list[list[tuple[int, int, int]]] = []
-        self.shape = Shape(layout.micro_batch, args.seq_len, cfg.dim, cfg.n_heads, cfg.n_kv_heads,
+        self.shape = Shape(run.micro_batch, run.seq_len, cfg.dim, cfg.n_heads, cfg.n_kv_heads,
                            cfg.hidden_dim, cfg.n_layers, cfg.vocab_size, cfg.head_dim, self.tp,
-                           args.sequence_parallel, self.e)
-        self.grad_accum = layout.grad_accum
+                           self.sequence_parallel, self.e)
+        self.grad_accum = run.grad_accum
 
     def micro_batch_loss(self, tokens: torch.Tensor) -> torch.Tensor:
         inputs, targets = split_inputs_targets(tokens)
@@ -210,8 +196,8 @@ class ExpertParallelStrategy(Strategy):
         if self.clip_grad is not None:
             per_step += sum(2 * (n - 1) / n * (8 if self.e == 8 else 4) for n in (self.ep, self.tp))
         if self.tp > 1:
-            router = len(self.layers) * router_grad_bytes(self.n_experts, self.dim, self.tp, self.e)
-            per_step += self.grad_accum * (microbatch_comm_bytes(self.shape) + router)
+            moe = len(self.layers) * moe_block_extra_bytes(self.shape, self.n_experts)
+            per_step += self.grad_accum * (microbatch_comm_bytes(self.shape) + moe)
         master = self.weights.master[0].itemsize
         opt = optimizer_state_bytes(self.optimizer_name, P, master, len(self.names))
         opt += P * master if self.mixed else 0
@@ -219,13 +205,17 @@ class ExpertParallelStrategy(Strategy):
             "params": P * self.e, "grads": P * self.reduce_itemsize, "optimizer": opt}
 
     def report_extras(self) -> dict:
-        """The all-to-all formula; per step, max/mean rows per EP rank (worst group). A collective."""
-        load = torch.tensor([sum(n for _, _, n in step) for step in self.steps_log],
+        """The all-to-all formula; the rows each rank's experts processed in each dispatch (one per
+        MoE layer and micro-batch) and per step, and per step `load_imbalance` of the dispatches,
+        over the dp ranks of this TP index (they hold the experts; its TP ranks take the same rows).
+        A collective."""
+        load = torch.tensor([[n for _, _, n in step] for step in self.steps_log],
                             dtype=torch.float64, device=self.device)
-        every = [torch.empty_like(load) for _ in range(self.dp_size)]  # the dp ranks of this TP index
+        every = [torch.empty_like(load) for _ in range(self.dp_size)]
         dist.all_gather(every, load, group=self.dp_group)
-        rows = torch.stack(every, 1).view(len(self.steps_log), self.dp_size // self.ep, self.ep)
-        imbalance = (rows.amax(-1) / rows.mean(-1).clamp_min(1e-300)).amax(-1)
+        rows = torch.stack(every, -1)  # [steps, dispatches, dp]
+        imbalance = load_imbalance(rows, self.ep)
         return {"ep": self.ep, "ep_all_to_all_bytes_formula": self.all_to_all_formula(),
-                "ep_rows_per_rank": rows.flatten(1).tolist(), "ep_load_imbalance": imbalance.tolist(),
-                "ep_load_imbalance_max": imbalance.max().item()}
+                "ep_rows_per_rank": rows.sum(1).tolist(), "ep_rows_per_dispatch": rows.tolist(),
+                "ep_load_imbalance": imbalance.tolist(), "ep_load_imbalance_max": imbalance.max().item()}
+

@@ -19,6 +19,13 @@ graph of one chunk's forward:
 
 This is what torch.distributed.pipelining's stage_backward_input/stage_backward_weight do; on the
 first stage there is no x, so B is empty and W is the whole backward.
+
+A custom autograd Function computes all its inputs' gradients whenever it runs, so a parting node
+that is one (chapter 05's sequence-parallel column linear: dx = dy·W and dW = dyᵀ·x in one
+backward) would run both GEMMs in B and again in W, and in W read a weight FSDP has freed. Such a
+Function says it can do one half at a time by setting `ctx.split_backward = None` in forward: B
+sets it to "input" on the parting nodes, W to "weight" (Megatron's zero-bubble linear defers its
+dW the same way).
 """
 
 from __future__ import annotations
@@ -76,6 +83,7 @@ def backward_input(y: torch.Tensor, x: torch.Tensor, grad_y: torch.Tensor | None
                for n in to_x if to_x[n]}
     parting = {n: children for n, children in parting.items() if children}
     caught: dict = {}
+    _split(parting, "input")
     handles = [n.register_prehook(lambda grads, n=n: caught.setdefault(n, grads) and None) for n in parting]
     try:
         (x_grad,) = torch.autograd.grad(y, x, grad_y, retain_graph=True)
@@ -92,6 +100,13 @@ def backward_input(y: torch.Tensor, x: torch.Tensor, grad_y: torch.Tensor | None
     return x_grad, state
 
 
+def _split(nodes, half: str) -> None:
+    """Tell the custom Functions among `nodes` that can do it which half of their backward to run."""
+    for node in nodes:
+        if hasattr(node, "split_backward"):
+            node.split_backward = half
+
+
 def backward_weight(state: WeightGradState) -> None:
     """W: dW at each parting node from the dY caught in B (only that node's backward, into its
     weight-side edges, so the engine never walks back into the input's side), then one backward
@@ -100,6 +115,7 @@ def backward_weight(state: WeightGradState) -> None:
     the graph when the caller drops it."""
     edges, grads = [], []
     for out_edges, caught, weight_edges in state.groups:
+        _split([e.node for e in out_edges], "weight")
         edges += weight_edges
         grads += torch.autograd.grad(out_edges, weight_edges, caught)
     if edges:

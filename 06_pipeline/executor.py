@@ -3,7 +3,7 @@ and gradients to the neighbouring ranks.
 
     F(mb, c)   x = received activation (or the tokens on stage 0);  y = chunk_c(x[, positions[mb]])
                last stage: y = loss_fn(y, targets[mb]) / m          ← the 1/m, exactly once
-               (a MoE layer's aux loss, on any stage: / m too, by set_aux_loss_scale at the start)
+               (a module's own loss term, on any stage: / m too, through its `aux_loss_scale`)
                send y to the next stage
     B(mb, c)   g = received gradient of y (nothing on the last stage: y is the loss)
                backward through chunk_c: x.grad to the previous stage, parameter grads accumulate
@@ -28,8 +28,9 @@ for right before the action that needs it, sends by the end of the step. A recei
 lands in a fresh buffer: autograd keeps the stage input of micro-batch k for its backward, so
 receiving micro-batch k+1 into the same memory would silently change k's gradients.
 
-The executor does not look inside a chunk: any module mapping the previous stage's output to the
-next stage's input works (tensor-parallel layers, FSDP units). What every stage needs besides its
+The executor does not look inside a chunk (but for the `aux_loss_scale` of a module with a loss
+term of its own): any module mapping the previous stage's output to the next stage's input works
+(tensor-parallel layers, FSDP units). What every stage needs besides its
 input travels with the batch, not through the pipe: `run(inputs, targets, positions)` hands
 micro-batch mb's positions (RoPE's, computed once from the batch's layout) to every chunk's
 forward, so the messages stay the activations alone. Parameter gradients accumulate
@@ -48,8 +49,6 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-
-from common.moe import set_aux_loss_scale
 
 from .backward_split import backward_input, backward_weight
 from .p2p import Exchange, exchanges, segments
@@ -170,8 +169,9 @@ class PipelineExecutor:
             raise ValueError(f"{len(inputs)} input, {len(targets)} target{given} micro-batches for "
                              f"a schedule of m = {m}")
         self._positions = positions
-        for chunk in self.chunks:
-            set_aux_loss_scale(chunk, 1 / m)  # each MoE layer's aux loss, like scale_loss's 1/m
+        for module in (mod for chunk in self.chunks for mod in chunk.modules()):
+            if hasattr(module, "aux_loss_scale"):  # a MoE layer's aux loss (common/moe.py): / m too
+                module.aux_loss_scale = 1 / m
         cuda = self._cuda_events
         self._send_works, recorded, self._timeline = [], [], []
         self._events = (time.perf_counter(), self._clock(), recorded) if cuda else None

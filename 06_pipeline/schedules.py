@@ -85,13 +85,13 @@ class Schedule:
 
 
 def gpipe(p: int, m: int) -> Schedule:
-    """Huang et al. 2019: every forward, then every backward."""
+    """GPipe (Huang et al. 2018): every forward, then every backward."""
     rank_actions = [Action("F", i) for i in range(m)] + [Action("B", i) for i in range(m)]
     return Schedule("gpipe", p, m, 1, False, tuple(tuple(rank_actions) for _ in range(p)))
 
 
 def one_f_one_b(p: int, m: int) -> Schedule:
-    """PipeDream-Flush (Narayanan et al. 2021): rank r runs min(p-r-1, m) warm-up forwards, then
+    """PipeDream-Flush (Narayanan et al. 2020): rank r runs min(p-r-1, m) warm-up forwards, then
     alternates one forward and one backward, then drains the remaining backwards. A micro-batch's
     activations live from its F to its B, so rank r holds at most p - r of them (GPipe: m)."""
     actions = []
@@ -129,7 +129,7 @@ def interleaved_1f1b(p: int, m: int, v: int) -> Schedule:
 
 
 def zero_bubble_h1(p: int, m: int) -> Schedule:
-    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): the backward is split into B
+    """ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): the backward is split into B
     (the gradient of the stage input, which the previous stage waits for) and W (the weight
     gradient, which nobody waits for). Rank r keeps 1F1B's order of F and B and runs W(k - r)
     right after B(k), the last r W's at the end: the later a rank, the further it defers its W's,

@@ -13,20 +13,23 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.cli import DTYPES, BatchLayout, base_parser, model_config, require, validate_common
+from common.cli import BatchLayout, base_parser, model_config, require, validate_common
 from common.clip import clip_grads_by_global_norm_
 from common.data import split_inputs_targets
 from common.dist import DistContext
 from common.memory import optimizer_state_tensors, storage_bytes
+from common.mesh import mesh_shape
 from common.mixed_precision import MasterWeights
 from common.model import build_model, initializer, loss_fn, materialize
 from common.optimizer_bytes import optimizer_state_bytes
 from common.reference import make_optimizer
+from common.run import Run, resolve_run
 from common.training import Strategy, run_main
 from pipeline.executor import LossFn, PipelineExecutor
 from pipeline.schedules import (
@@ -66,8 +69,18 @@ def parse_partition(text: str | None) -> list[int] | None:
         raise ValueError(f"--partition {text!r}: give comma-separated layer counts, e.g. 3,2,2,1") from None
 
 
-def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
-    """Everything that can be wrong with the input, checked on every rank before any send."""
+@dataclass(frozen=True)
+class PipelineOptions:
+    """The chapter's resolved flags (the run's `options`); m is the run's grad_accum, p its mesh's pp."""
+
+    schedule: str = "1f1b"
+    v: int = 1  # model chunks per rank (--virtual-stages, or the schedule's default)
+    partition: tuple[int, ...] | None = None  # layers per (virtual) stage; None: an even split
+    timeline_png: str | None = None
+
+
+def validate(args: argparse.Namespace, world_size: int) -> Run:
+    """Everything that can be wrong with the input, checked on every rank before any send; the run."""
     validate_common(args)
     p, m, v = world_size, args.microbatches, virtual_stages(args.schedule, args.virtual_stages)
     require(m >= 1, f"--microbatches {m}: must be >= 1")
@@ -88,7 +101,9 @@ def validate(args: argparse.Namespace, world_size: int) -> BatchLayout:
         require(False, str(error))
     n_layers = model_config(args).n_layers
     require((error := partition_error(n_layers, p, v, partition)) is None, str(error))
-    return BatchLayout(micro, m)
+    options = PipelineOptions(args.schedule, v, tuple(partition) if partition else None,
+                              getattr(args, "timeline_png", None))
+    return resolve_run(args, mesh_shape(world_size, pp=world_size), BatchLayout(micro, m), options)
 
 
 class PipelineStrategy(Strategy):
@@ -99,17 +114,17 @@ class PipelineStrategy(Strategy):
 
     executor_class = PipelineExecutor
 
-    def __init__(self, args: argparse.Namespace, ctx: DistContext, pp_group: dist.ProcessGroup | None = None,
+    def __init__(self, run: Run, ctx: DistContext, pp_group: dist.ProcessGroup | None = None,
                  loss: LossFn = loss_fn):
-        cfg, self.mixed = model_config(args), args.mixed_precision == "bf16"
+        cfg, self.mixed, options = run.model, run.mixed, run.options
         self.group = pp_group
         p, self.rank = dist.get_world_size(pp_group), dist.get_rank(pp_group)
-        m, v = args.microbatches, virtual_stages(args.schedule, args.virtual_stages)
-        self.schedule: Schedule = make_schedule(args.schedule, p, m, v)
+        self.schedule: Schedule = make_schedule(options.schedule, p, run.grad_accum, options.v)
         # split the model on the meta device, then draw only this rank's layers onto its device
-        meta = build_model(cfg, dtype=torch.float32 if self.mixed else DTYPES[args.dtype], device="meta")
-        self.chunks = split_model(meta, p, v, self.rank, parse_partition(args.partition))
-        init = initializer(cfg, args.seed)
+        meta = build_model(cfg, dtype=run.dtype, device="meta")
+        partition = None if options.partition is None else list(options.partition)
+        self.chunks = split_model(meta, p, options.v, self.rank, partition)
+        init = initializer(cfg, run.seed)
         for chunk in self.chunks:
             materialize(chunk, init, ctx.device)
         self.model = nn.ModuleList(self.chunks)
@@ -117,16 +132,16 @@ class PipelineStrategy(Strategy):
         self.weights = MasterWeights(self.model.parameters(), enabled=self.mixed)
         if self.mixed:
             self.model.to(torch.bfloat16)  # in place: the masters keep the fp32 values
-        self.optimizer = make_optimizer(self.weights.master, args.optimizer, args.lr)
-        self.dtype = torch.bfloat16 if self.mixed else DTYPES[args.dtype]
-        micro = args.global_batch // m
-        self.activation_shape = (micro, args.seq_len, cfg.dim)
+        self.optimizer = make_optimizer(self.weights.master, run.optimizer, run.lr)
+        self.dtype = run.compute_dtype
+        self.activation_shape = (run.micro_batch, run.seq_len, cfg.dim)
         self.executor = self.executor_class(self.schedule, self.rank, self.chunks, loss,
                                             self.activation_shape, self.dtype, ctx.device, pp_group)
-        self.name, self.clip_grad, self.optimizer_name = f"pp-{args.schedule}", args.clip_grad, args.optimizer
+        self.name, self.clip_grad = f"pp-{options.schedule}", run.clip_grad
+        self.optimizer_name = run.optimizer
         self.device = ctx.device
         self.mesh, self.dp_rank, self.dp_size = {"pp": p}, 0, 1
-        self.timeline_png = getattr(args, "timeline_png", None)
+        self.timeline_png = options.timeline_png
         self.timelines: list = []
 
     def forward_backward(self, micro_batches: list[torch.Tensor]) -> torch.Tensor | None:
@@ -215,8 +230,8 @@ class PipelineStrategy(Strategy):
                 "activations_in_flight_peak": peak_in_flight(s, self.rank)}
 
 
-def build(args: argparse.Namespace, ctx: DistContext, layout: BatchLayout) -> Strategy:
-    return PipelineStrategy(args, ctx)
+def build(run: Run, ctx: DistContext) -> Strategy:
+    return PipelineStrategy(run, ctx)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,12 @@ The pieces a trainer calls (core files: torch, common's kernel, chapters 04–06
     shards.py          shard_map(chunks, tp_specs, mesh, ep_slices=None) -> ShardMap: which elements
                        of which reference tensor this rank holds; gather_full (for --check)
     clip.py            clip_grad_norm_3d(shards, max_norm): the true global norm
-    recompute.py       apply_recompute(blocks, "none" | "full" | "selective"), CheckpointWrapper
+    recompute.py       apply_recompute(blocks, "none" | "full" | "selective"), Recomputed
     lr_schedule.py     warmup_cosine(step, total, warmup, min_ratio), warmup_cosine_scheduler
     accounting.py      Rank3D and its closed forms (memory, activations; comm_formulas.py: bytes)
 
-The demo: train.py (validate → Train3DConfig, Parallel3DStrategy on the shared loop).
+The demo: train.py (validate → the run, Train3DOptions its options; Parallel3DStrategy on the
+shared loop).
 The planner (use common/): memory_model.py (per-GPU memory and traffic of a layout) and
 planner/ (`python -m parallel3d.planner --model llama2-70b --gpus 64 --gpu-mem-gb 80`).
 Checkpoints: the subpackage checkpoint/ (parallel3d.checkpoint, its lesson is its README.md).
@@ -29,9 +30,9 @@ Checkpoints: the subpackage checkpoint/ (parallel3d.checkpoint, its lesson is it
 from .clip import clip_grad_norm_3d
 from .lr_schedule import warmup_cosine, warmup_cosine_scheduler
 from .parallelize import Parallel3DConfig, activation_shape, parallelize_3d, rank_inputs
-from .recompute import CheckpointWrapper, apply_recompute
+from .recompute import Recomputed, apply_recompute
 from .shards import HeldPiece, ShardMap, gather_full, shard_map
 
-__all__ = ["CheckpointWrapper", "HeldPiece", "Parallel3DConfig", "ShardMap", "activation_shape",
+__all__ = ["HeldPiece", "Parallel3DConfig", "Recomputed", "ShardMap", "activation_shape",
            "apply_recompute", "clip_grad_norm_3d", "gather_full", "parallelize_3d", "rank_inputs",
            "shard_map", "warmup_cosine", "warmup_cosine_scheduler"]

@@ -23,8 +23,9 @@ DP (FSDP over the d = dp_shard·c ranks of a (pp, tp) position and replica), per
 Experts (MoE, experts.py): each MoE layer's experts are a unit of their own over dp_shard_mod_ep
     (d/ep ranks), the same terms with d/ep; under full recomputation, gathered once more per
     backward (the block's recomputed forward runs their unit again). The block's TP regions as a
-    dense block's, + the router's weight-gradient all-reduce per micro-batch (05's
-    router_grad_bytes). EP's all-to-alls depend on the routing: experts.all_to_all_formula.
+    dense block's, + the router's weight-gradient all-reduce per micro-batch, less SP's backward
+    re-gather before the SwiGLU (05's moe_block_extra_bytes). EP's all-to-alls depend on the
+    routing: experts.all_to_all_formula.
 Clipping: one all-reduce of a scalar over the world.
 
 `comm_bytes_by_dim` splits the total by the mesh dimension whose group carries each term (tp, cp,
@@ -44,7 +45,7 @@ from parallel3d.accounting import Rank3D, is_expert_unit
 from parallel3d.memory_model import RECOMPUTED
 from pipeline.stage import layer_partition
 from tensor_parallel.formulas import Shape, cp_comm_bytes, microbatch_comm_bytes
-from tensor_parallel.moe_tensor_parallel import router_grad_bytes
+from tensor_parallel.moe_tensor_parallel import moe_block_extra_bytes
 
 DIMS = ("tp", "cp", "pp", "dp_shard", "dp_shard_mod_ep", "dp_replicate", "world")
 
@@ -118,7 +119,9 @@ def comm_bytes_by_dim(r: Rank3D, steps: int) -> dict[str, float]:
                                          par.activation_checkpointing, r.chunk_blocks[c], stage == 0,
                                          stage == sched.n_stages - 1)
         moe_blocks = sum(cfg.is_moe_layer(i) for i in layers[stage])
-        out["tp"] += sched.m * (per_mb + moe_blocks * router_grad_bytes(cfg.n_experts, cfg.dim, t, e))
+        x = Shape(b=b, s=s, h=cfg.dim, a=cfg.n_heads, kv=cfg.n_kv_heads, F=cfg.hidden_dim, L=1,
+                  V=cfg.vocab_size, head_dim=cfg.head_dim, t=t, sequence_parallel=par.sequence_parallel, e=e)
+        out["tp"] += sched.m * (per_mb + moe_blocks * moe_block_extra_bytes(x, cfg.n_experts))
         backwards = sum(a.kind == "B" for a in mine)  # = W's under ZB: one reduction each
         backward = "W" if sched.split_backward and stage == 0 else "B"
         ends = (("W",) if stage == 0 else ("B", "W")) if sched.split_backward else ("B",)

@@ -43,13 +43,14 @@ from torch import nn
 from common.collectives import all_gather_single
 from common.mesh import ParallelMesh
 from common.model import Llama, initializer
-from common.moe import MoEFeedForward, RoutingPlan, moe_layers
+from common.moe import MoEFeedForward, moe_layers
 from fsdp.fully_sharded import FullyShardedDataParallel
 from fsdp.wrap import ShardingStrategy
 from parallel3d.parallelize import Parallel3DConfig, fsdp_groups, mixed_precision, parallelize_3d
 from parallel3d.shards import EPSlice
 from pipeline.stage import LlamaChunk
-from tensor_parallel.expert_parallel import AllToAllDispatcher, all_to_all_bytes, expert_parallel
+from tensor_parallel.expert_parallel import CountingDispatcher, all_to_all_bytes, expert_parallel
+from tensor_parallel.expert_parallel import load_imbalance as ep_load_imbalance
 from tensor_parallel.moe_tensor_parallel import parallelize_moe_llama
 from tensor_parallel.sharding import TPShard, local_piece
 
@@ -71,24 +72,6 @@ def expert_slices(tp_specs: dict[str, TPShard], mesh: ParallelMesh, n_experts: i
     return {name: EPSlice(expert_rank(mesh) * n, n_experts) for name in tp_specs if is_expert(name)}
 
 
-class CountingDispatcher(AllToAllDispatcher):
-    """05's all-to-all dispatcher, recording per dispatch the rows this rank sends to the other
-    EP ranks (A), the rows it receives from them (B) and the rows its experts process."""
-
-    def __init__(self, group, n_experts: int):
-        super().__init__(group, n_experts)
-        rank = dist.get_rank(group)
-        self.mine = slice(rank * self.local, (rank + 1) * self.local)
-        self.log: list[tuple[int, int, int]] = []
-
-    def dispatch(self, x: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, list[int]]:
-        counts = plan.counts.tolist()
-        rows, local_counts = super().dispatch(x, plan)
-        own = sum(counts[self.mine])
-        self.log.append((sum(counts) - own, sum(local_counts) - own, sum(local_counts)))
-        return rows, local_counts
-
-
 def apply_expert_parallel(chunks: list[LlamaChunk], tp_specs: dict[str, TPShard], mesh: ParallelMesh,
                           config: Parallel3DConfig, device: torch.device) -> list[MoEFeedForward]:
     """EP on every MoE layer of this rank's chunks, in place (on the meta device, before
@@ -104,8 +87,7 @@ def apply_expert_parallel(chunks: list[LlamaChunk], tp_specs: dict[str, TPShard]
             if not isinstance(layer, MoEFeedForward):
                 continue
             if mesh.ep > 1:  # else every expert here: the local dispatcher, no all-to-all
-                expert_parallel(layer, mesh.ep_group)
-                layer.dispatcher = CountingDispatcher(mesh.ep_group, cfg.n_experts)
+                expert_parallel(layer, mesh.ep_group, CountingDispatcher)
 
             def piece(name: str, _, prefix: str = prefix) -> torch.Tensor:
                 full = f"{prefix}.experts.{name}"
@@ -150,14 +132,18 @@ def all_to_all_formula(steps_log: list[list[tuple[int, int, int]]], dim: int, e:
 
 
 def load_imbalance(steps_log: list[list[tuple[int, int, int]]], mesh: ParallelMesh,
-                   device: torch.device) -> list[float]:
-    """Per step, the max over EP groups of max/mean of the rows each rank's experts processed (1:
-    balanced). A collective over the EP group, then over the world (MAX)."""
-    rows = torch.tensor([float(sum(n for *_, n in step)) for step in steps_log], dtype=torch.float64,
-                        device=device)
+                   device: torch.device) -> tuple[list[float], list]:
+    """Per step, 05's load_imbalance: the max over dispatches (MoE layer × micro-batch, in the
+    order the schedule runs them, the same on every rank of an EP group) and EP groups of max/mean
+    of the rows each rank's experts processed (1: balanced); and this rank's EP group's rows
+    [steps][dispatches][ep]. A collective over the EP group, then over the world (MAX: the
+    pipeline stages hold different layers)."""
+    rows = torch.tensor([[float(n) for *_, n in step] for step in steps_log], dtype=torch.float64,
+                        device=device).view(len(steps_log), -1)  # [steps, dispatches]
     every = torch.empty(mesh.ep * rows.numel(), dtype=torch.float64, device=device)
-    all_gather_single(every, rows, group=mesh.ep_group)
-    every = every.view(mesh.ep, -1)
-    worst = every.amax(0) / every.mean(0).clamp_min(1e-300)
+    all_gather_single(every, rows.reshape(-1), group=mesh.ep_group)
+    every = every.view(mesh.ep, *rows.shape).permute(1, 2, 0)  # [steps, dispatches, ep]
+    worst = (ep_load_imbalance(every, mesh.ep) if rows.shape[1]
+             else torch.zeros(len(steps_log), dtype=torch.float64, device=device))  # a stage without MoE
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return worst.tolist()
+    return worst.tolist(), every.tolist()

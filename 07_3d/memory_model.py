@@ -11,12 +11,13 @@ article's own words are read in 01_data_parallel/README.md), (2, 2, 12) in the m
 ZeRO paper (bf16 weights and grads, fp32 master + m + v), (4, 4, 8) in plain fp32.
 
 Activations saved for backward per block are chapter 05's itemized count (tensor_parallel.formulas:
-e·(10h + 4F) + 4·a bytes per token without TP; TP splits the attention and MLP tensors, SP also
-the norms' inputs and products); full recomputation keeps only the block input h, selective (the
-core attention rerun) keeps q, k, v before the GQA repeat and drops the log-sum-exp (and eager
-attention's scores). A pipeline stage holds them for the
-micro-batches in flight (1F1B: p - i on stage i), the last stage the head's too. The 3D trainer's
-measured ledger checks these per rank (`tests/test_3d_planner.py`).
+e·(10h + 4F) + 2e + 4·a bytes per token without TP; TP splits the attention and MLP tensors, SP
+also the norms' inputs, products and outputs, which the column layers save as their local s/t
+tokens: with SP all of it is /t, this LLaMA's counterpart of Korthikanti et al.'s 34·sbh/t);
+full recomputation keeps only the block input h, selective (the core attention rerun) keeps q, k,
+v before the GQA repeat and drops the log-sum-exp (and eager attention's scores). A pipeline stage
+holds them for the micro-batches in flight (1F1B: p - i on stage i), the last stage the head's
+too. The 3D trainer's measured ledger checks these per rank (`tests/test_3d_planner.py`).
 
 Context parallelism (cp ranks share each sequence, s/cp tokens each; ring attention) divides every
 one of those terms by cp: each is linear in the tokens a rank holds (flash attention keeps no
@@ -76,11 +77,34 @@ class Layout:
                f"mb {self.micro_batch}, AC {self.recompute}"
 
 
+def attention_parameters(cfg: LlamaConfig) -> tuple[int, int]:
+    """(TP-split, replicated) parameters of one block's attention. GQA: wq wk wv wo, all split
+    by heads. MLA (cfg.mla): the up-projections W_qb [H·d_qk, q_lora], W_kvb [H·(d_nope + d_v),
+    kv_lora] and wo [h, H·d_v] split by heads; the down-projections W_qa [q_lora, h], W_kva
+    [kv_lora + d_rope, h] and the latents' two norms replicated (DeepSeek-V3: 187.1M a layer)."""
+    h, H = cfg.dim, cfg.n_heads
+    if not cfg.mla:
+        return h * (2 * h + 2 * cfg.n_kv_heads * cfg.head_dim), 0
+    q_in = cfg.q_lora_rank or h
+    split = (q_in * H * cfg.qk_head_dim + cfg.kv_lora_rank * H * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+             + H * cfg.v_head_dim * h)
+    down = (h * cfg.q_lora_rank + cfg.q_lora_rank if cfg.q_lora_rank else 0) + (
+        h * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + cfg.kv_lora_rank)
+    return split, down
+
+
 def layer_parameters(cfg: LlamaConfig) -> tuple[int, int]:
-    """(TP-split, replicated) parameters of one block: wq wk wv wo w1 w2 w3 | two RMSNorms."""
-    kv = cfg.n_kv_heads * cfg.head_dim
-    split = cfg.dim * (2 * cfg.dim + 2 * kv) + 3 * cfg.dim * cfg.hidden_dim
-    return split, 2 * cfg.dim
+    """(TP-split, replicated) parameters of one block: the attention's (`attention_parameters`)
+    and w1 w2 w3 | two RMSNorms."""
+    split, replicated = attention_parameters(cfg)
+    return split + 3 * cfg.dim * cfg.hidden_dim, replicated + 2 * cfg.dim
+
+
+def attention_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
+    """The attention scores' model FLOPs per token, forward and backward: QKᵀ and softmax·V are
+    2·H·d_qk·s and 2·H·d_v·s forward, ×3 with backward, every key counted (Megatron's and
+    PaLM's convention, no causal halving): 6·L·H·(d_qk + d_v)·s = 12·L·h·s for MHA/GQA."""
+    return 6 * cfg.n_layers * cfg.n_heads * (cfg.qk_head_dim + cfg.value_head_dim) * seq_len
 
 
 def stage_layers(n_layers: int, pp: int) -> list[int]:
@@ -128,7 +152,7 @@ def state_bytes(units: tuple[int, ...], dp: int, zero: int, precision: str) -> d
 # What the core attention saves beyond its output (chapter 05's names): selective recomputation
 # keeps its inputs q, k, v instead (k, v before the GQA repeat) and reruns it.
 CORE_ATTENTION_TERMS = ("q, k, v after RoPE + GQA repeat", "attention log-sum-exp")
-HEAD_TERMS = ("final norm x, x·r, r", "head input (norm output, whole sequence)",
+HEAD_TERMS = ("final norm x, x·r, r", "head input (the final norm's output)",
               "loss: softmax over the local vocab, target ids, in-range mask")
 
 
@@ -151,13 +175,25 @@ def layer_activation_bytes(cfg: LlamaConfig, tokens: int, seq_len: int, tp: int 
     (`tensor_parallel.formulas`); under selective recomputation the core attention keeps only
     its inputs q (h/t) and k, v (n_kv/t heads each, at least one) per token; only the block
     input (h/t under SP) under full; eager attention adds the scores and the softmax, 2·a·s·e/t
-    per token (every local query meets all s keys), which selective drops."""
+    per token (every local query meets all s keys), which selective drops. MLA (cfg.mla): q, k
+    of H·d_qk and v, the output of H·d_v per token (/t), and the two latents as RMSNorm saves
+    them (input, x·r, r) with their normed copy that the up-projection reads, on the tokens of
+    the norm region (s/t under SP: the down-projections run before the gather, as Megatron's)."""
     if recompute == "full":
         return tokens * elem * cfg.dim / (tp if sequence_parallel else 1)
     terms = layer_activation_terms(tp_shape(cfg, tokens, seq_len // cp, tp, sequence_parallel,
                                             elem))
+    if cfg.mla:
+        local = tokens * elem / (tp if sequence_parallel else 1)
+        terms |= {"q, k, v after RoPE + GQA repeat":
+                  tokens * elem * cfg.n_heads * (2 * cfg.qk_head_dim + cfg.v_head_dim) / tp,
+                  "attention output": tokens * elem * cfg.n_heads * cfg.v_head_dim / tp,
+                  "MLA latents c_q, c_kv: input, x·r, r, normed": local * (
+                      3 * (cfg.q_lora_rank + cfg.kv_lora_rank) + (2 if cfg.q_lora_rank else 1))}
     if recompute == "selective":
-        inputs = tokens * elem * (cfg.dim / tp + 2 * max(cfg.n_kv_heads // tp, 1) * cfg.head_dim)
+        kv_heads = cfg.n_heads // tp if cfg.mla else max(cfg.n_kv_heads // tp, 1)
+        inputs = tokens * elem * (cfg.n_heads // tp * cfg.qk_head_dim
+                                  + kv_heads * (cfg.qk_head_dim + cfg.value_head_dim))
         return sum(v for k, v in terms.items() if k not in CORE_ATTENTION_TERMS) + inputs
     scores = tokens * 2 * cfg.n_heads * seq_len / tp * elem if eager_attention else 0.0
     return sum(terms.values()) + scores
@@ -266,8 +302,10 @@ def comm_bytes_per_gpu(cfg: LlamaConfig, layout: Layout, seq_len: int,
     """Bytes one GPU puts on the wire per optimizer step (nccl-tests conventions), per dimension.
 
     TP: 4 all-reduces (or all-gather + reduce-scatter pairs under SP: the same bytes) of the
-        [b, s/cp, h] activations per block per micro-batch, 2(t-1)/t each; full recompute reruns
-        `RECOMPUTED`: +1 all-reduce (SP: +2 all-gathers + 1 reduce-scatter, (t-1)/t each).
+        [b, s/cp, h] activations per block per micro-batch, 2(t-1)/t each; under SP + the 2
+        all-gathers in backward that rebuild the column layers' saved s/t tokens ("tp_regather",
+        included in "tp"); full recompute reruns `RECOMPUTED`: +1 all-reduce (SP: +2
+        all-gathers + 1 reduce-scatter, (t-1)/t each).
     CP: ring attention's K/V blocks and dK/dV home, `ring_bytes` per block per micro-batch.
     PP: one activation forward and one gradient backward per micro-batch (interior stages).
     DP: all-reduce of the gradients 2(d-1)/d·ψ·g (DDP), or reduce-scatter of the gradients and
@@ -284,11 +322,13 @@ def comm_bytes_per_gpu(cfg: LlamaConfig, layout: Layout, seq_len: int,
     layers = math.ceil(cfg.n_layers / p)
     gathers, reductions = RECOMPUTED[layout.recompute]
     rerun = gathers + reductions if layout.sequence_parallel else 2 * reductions
-    tp_bytes = (8 + rerun) * layers * m * act * (t - 1) / t if t > 1 else 0.0
+    regather = 2 if layout.sequence_parallel else 0
+    tp_bytes = (8 + regather + rerun) * layers * m * act * (t - 1) / t if t > 1 else 0.0
     cp_bytes = layers * m * sum(ring_bytes(cfg, layout, seq_len, elem).values())
     pp_bytes = 2 * m * act if p > 1 else 0.0
     psi = parameters_per_gpu(cfg, t, p)
     ring = (d - 1) / d if d > 1 else 0.0
     per_element = {0: 2 * g, 1: g + w, 2: m * g + w, 3: m * (2 * w + g)}[layout.zero]
     dp_bytes = per_element * ring * psi
-    return {"tp": tp_bytes, "cp": cp_bytes, "pp": pp_bytes, "dp": dp_bytes}
+    return {"tp": tp_bytes, "cp": cp_bytes, "pp": pp_bytes, "dp": dp_bytes,
+            "tp_regather": tp_bytes * regather / (8 + regather + rerun)}

@@ -35,7 +35,7 @@ from common.mesh import ParallelMesh
 from common.model import Llama, LlamaConfig, TransformerBlock, initializer
 from fsdp.fully_sharded import FullyShardedDataParallel
 from fsdp.wrap import HYBRID_STRATEGIES, MixedPrecision, ModuleWrapPolicy, ShardingStrategy
-from parallel3d.recompute import MODES, CheckpointWrapper, apply_recompute, unwrapped_name
+from parallel3d.recompute import MODES, Recomputed, apply_recompute, unwrapped_name
 from pipeline.schedules import SCHEDULES, virtual_stages
 from pipeline.stage import LlamaChunk, split_model
 from tensor_parallel.context_parallel import apply_context_parallel as context_parallel
@@ -132,7 +132,7 @@ def apply_fsdp(chunks: list[LlamaChunk], mesh: ParallelMesh, config: Parallel3DC
     chunk as the root unit, sharded over the DP × CP group (gradients averaged over its dp·cp
     ranks; HSDP: sharded over dp_shard × cp, all-reduced over dp_replicate); each unit draws only
     the TP pieces that overlap this rank's shard. Units already made (experts) are kept."""
-    unit = CheckpointWrapper if config.activation_checkpointing == "full" else TransformerBlock
+    unit = Recomputed if config.activation_checkpointing == "full" else TransformerBlock
 
     def tp_piece(name: str, _) -> torch.Tensor:
         return local_piece(init(unwrapped_name(name)), tp_specs[unwrapped_name(name)])

@@ -33,10 +33,10 @@ from torch.utils.checkpoint import checkpoint
 MODES = ("none", "full", "selective")
 
 
-class CheckpointWrapper(nn.Module):
+class Recomputed(nn.Module):
     """`module`'s forward under `torch.utils.checkpoint` (use_reentrant=False). Parameter names
-    gain a `_checkpoint_wrapped_module.` segment (as with torch's own wrapper);
-    `unwrapped_name` removes it."""
+    gain a `_checkpoint_wrapped_module.` segment, in named_parameters and state dicts alike (torch's
+    CheckpointWrapper strips it from both: hence another name); `unwrapped_name` removes it."""
 
     def __init__(self, module: nn.Module):
         super().__init__()
@@ -69,6 +69,6 @@ def apply_recompute(blocks: nn.ModuleList | nn.ModuleDict, mode: str) -> None:
     keys = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else range(len(blocks))
     for key in keys:
         if mode == "full":
-            blocks[key] = CheckpointWrapper(blocks[key])
+            blocks[key] = Recomputed(blocks[key])
         else:
             blocks[key].attention.attend = recomputed(blocks[key].attention.attend)

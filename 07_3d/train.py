@@ -5,13 +5,14 @@
     torchrun --standalone --nproc-per-node 8 07_3d/train.py --model tiny-moe --ep 2 --tp 2 --pp 2
     torchrun --standalone --nproc-per-node 8 07_3d/train.py --dp-replicate 2 --dp-shard 2 --tp 2
 
-`validate` turns the flags into a frozen Train3DConfig (every default resolved; `args` is left as
-typed), and `build` makes the strategy from it. Build: every rank builds the full model on the
-meta device (no memory) and applies the recipe of parallelize.py: its pipeline stages (06), cut
-into tensor-parallel pieces (05), blocks wrapped for recomputation, sharded over its DP × CP group
-by FSDP (04), the only values ever drawn. Step: a schedule of 06 runs the stages; gradients are
-clipped by the global norm over the whole mesh (clip.py), AdamW steps on the FSDP shards, the LR
-follows warm-up + cosine. Check: full tensors assembled from what each rank holds (shards.py).
+`validate` turns the flags into the frozen run (common/run.py: every default resolved, the mesh
+among them; its options are Train3DOptions), and `build` makes the strategy from it. Build: every
+rank builds the full model on the meta device (no memory) and applies the recipe of
+parallelize.py: its pipeline stages (06), cut into tensor-parallel pieces (05), blocks wrapped for
+recomputation, sharded over its DP × CP group by FSDP (04), the only values ever drawn. Step: a
+schedule of 06 runs the stages; gradients are clipped by the global norm over the whole mesh
+(clip.py), AdamW steps on the FSDP shards, the LR follows warm-up + cosine. Check: full tensors
+assembled from what each rank holds (shards.py).
 With `--cp c` each CP rank of a replica takes its zig-zag chunks (2 of 2·c) of the same rows,
 attention passes K/V around the CP ring, and FSDP averages the gradients over dp·c ranks:
 
@@ -34,11 +35,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from common.cli import (
-    DTYPES,
     BatchLayout,
     ConfigError,
     base_parser,
@@ -52,7 +51,9 @@ from common.dist import DistContext
 from common.memory import ActivationMeter
 from common.mesh import MeshError, MeshShape, build_mesh, mesh_shape
 from common.model import LlamaConfig, build_model
+from common.patch import patch_dist
 from common.reference import make_optimizer
+from common.run import Run, resolve_run
 from common.training import Strategy, run_main
 from parallel3d.accounting import describe_rank, memory_formula, memory_per_rank, schedule_extras
 from parallel3d.checkpoint.load import open_checkpoint
@@ -182,40 +183,21 @@ def validate_checkpoint_flags(args: argparse.Namespace, cfg) -> CheckpointPlan:
 
 
 @dataclass(frozen=True)
-class Train3DConfig:
-    """What `validate` resolved from the flags (defaults filled in, everything checked): all that
-    `build` needs. The shared loop reads its `micro_batch` and `grad_accum` (a BatchLayout's);
-    `args` stays as the user typed it."""
+class Train3DOptions:
+    """The chapter's resolved flags (the run's `options`; the mesh, the batch layout with the
+    schedule's m = grad_accum, the dtypes are the run's): the recipe's choices, the LR schedule
+    and the checkpoints."""
 
-    model: LlamaConfig
-    mesh: MeshShape
-    layout: BatchLayout  # grad_accum = the schedule's m
     parallel: Parallel3DConfig
-    master_dtype: torch.dtype  # the shards and the optimizer (float32 under bf16 mixed precision)
-    compute_dtype: torch.dtype
-    optimizer: str
-    lr: float
-    steps: int
-    global_batch: int
-    seq_len: int
-    clip_grad: float | None
     lr_schedule: str  # cosine | constant
     warmup_steps: int
     min_lr_ratio: float
     checkpoint: CheckpointPlan
 
-    @property
-    def micro_batch(self) -> int:
-        return self.layout.micro_batch
 
-    @property
-    def grad_accum(self) -> int:
-        return self.layout.grad_accum
-
-
-def validate(args: argparse.Namespace, world_size: int) -> Train3DConfig:
+def validate(args: argparse.Namespace, world_size: int) -> Run:
     """Everything that can be wrong with the input, checked on every rank before any collective;
-    returns the resolved configuration."""
+    returns the run."""
     validate_common(args)
     cp = 1 if getattr(args, "cp", None) is None else args.cp  # namespaces built without it
     replicate, shard = getattr(args, "dp_replicate", None), getattr(args, "dp_shard", None)
@@ -262,15 +244,11 @@ def validate(args: argparse.Namespace, world_size: int) -> Train3DConfig:
             "block's forward: exact gradients for one more forward per weight); use "
             "--activation-checkpointing none, or --schedule 1f1b")
     checkpoint = validate_checkpoint_flags(args, cfg)  # reads metadata only: no collective
-    mixed = args.mixed_precision == "bf16"
-    master = torch.float32 if mixed else DTYPES[args.dtype]
     parallel = Parallel3DConfig(args.schedule, v, args.sequence_parallel, args.activation_checkpointing,
                                 sharding, args.mixed_precision, args.seed)
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10)
-    return Train3DConfig(cfg, mesh, layout, parallel, master,
-                         torch.bfloat16 if mixed else master, args.optimizer, args.lr, args.steps,
-                         args.global_batch, args.seq_len, args.clip_grad, lr_schedule, warmup,
-                         args.min_lr_ratio, checkpoint)
+    return resolve_run(args, mesh, layout, Train3DOptions(parallel, lr_schedule, warmup, args.min_lr_ratio,
+                                                          checkpoint))
 
 
 def validate_batch(args: argparse.Namespace, dp: int, pp: int) -> BatchLayout:
@@ -307,9 +285,10 @@ def validate_sharding(strategy: str | None, mesh: MeshShape) -> str:
 
 
 def validate_context_parallel(args: argparse.Namespace, cp: int) -> None:
-    """--cp: the zig-zag layout cuts each sequence into 2·cp equal chunks."""
+    """--cp: the zig-zag layout cuts each sequence into 2·cp equal chunks (without CP, any length)."""
     try:
-        check_cp_sizes(args.seq_len, cp)
+        if cp > 1:
+            check_cp_sizes(args.seq_len, cp)
     except ValueError as error:
         raise ConfigError(f"--cp {cp} with --seq-len {args.seq_len}: {error}") from None
 
@@ -324,39 +303,39 @@ class Parallel3DStrategy(Strategy):
     its DP × CP group (parallelize_3d), run by a schedule. Step: the schedule, clipping, AdamW.
     Check: full tensors from the ShardMap. The formulas are accounting.py's."""
 
-    def __init__(self, config: Train3DConfig, ctx: DistContext):
-        self.config, self.device, self.clip_grad = config, ctx.device, config.clip_grad
-        self.device_mesh = mesh = build_mesh(config.mesh, DIMS)
-        meta = build_model(config.model, dtype=config.master_dtype, device="meta")
-        moe = config.model.n_experts > 0
+    def __init__(self, run: Run, ctx: DistContext):
+        options, parallel = run.options, run.options.parallel
+        self.run, self.device, self.clip_grad = run, ctx.device, run.clip_grad
+        self.device_mesh = mesh = build_mesh(run.mesh, DIMS)
+        meta = build_model(run.model, dtype=run.dtype, device="meta")
+        moe = run.model.n_experts > 0
         recipe = parallelize_moe_3d if moe else parallelize_3d  # MoE: + EP before FSDP (experts.py)
-        self.chunks, tp_specs = recipe(meta, mesh, config.parallel, ctx.device)
-        slices = expert_slices(tp_specs, mesh, config.model.n_experts) if moe else None
+        self.chunks, tp_specs = recipe(meta, mesh, parallel, ctx.device)
+        slices = expert_slices(tp_specs, mesh, run.model.n_experts) if moe else None
         self.shards = shard_map(self.chunks, tp_specs, mesh, slices)  # which reference elements it holds
         # the report's bytes over each line of more than one rank, beside their formulas
         self.comm_groups = tuple((label, mesh.group(g)) for label, g in group_labels(mesh.ranks, moe).items())
         self.group_formulas: dict[str, float] = {}
         self.ep_steps: list[list[tuple[int, int, int]]] = []  # each step's dispatches (A, B, rows)
         self.model = nn.ModuleList(self.chunks)
-        self.optimizer = make_optimizer(self.model.parameters(), config.optimizer, config.lr)
-        self.scheduler = (warmup_cosine_scheduler(self.optimizer, config.steps, config.warmup_steps,
-                                                  config.min_lr_ratio)
-                          if config.lr_schedule == "cosine" else None)
-        self.schedule = make_schedule(config.parallel.schedule, mesh.pp, config.grad_accum, config.parallel.v)
+        self.optimizer = make_optimizer(self.model.parameters(), run.optimizer, run.lr)
+        self.scheduler = (warmup_cosine_scheduler(self.optimizer, run.steps, options.warmup_steps,
+                                                  options.min_lr_ratio)
+                          if options.lr_schedule == "cosine" else None)
+        self.schedule = make_schedule(parallel.schedule, mesh.pp, run.grad_accum, parallel.v)
         self.head = self.chunks[-1].module.output  # the vocab-parallel head on the last stage, else None
-        shape = activation_shape(config.model, mesh, config.parallel, config.micro_batch, config.seq_len)
+        shape = activation_shape(run.model, mesh, parallel, run.micro_batch, run.seq_len)
         self.executor = PipelineExecutor(self.schedule, mesh.pp_rank, self.chunks, self.loss, shape,
-                                         config.compute_dtype, ctx.device, mesh.pp_group)
-        self.name = f"3d-{config.parallel.schedule}"
+                                         run.compute_dtype, ctx.device, mesh.pp_group)
+        self.name = f"3d-{parallel.schedule}"
         self.mesh, self.dp_rank, self.dp_size = mesh.as_dict(), mesh.dp_rank, mesh.dp
-        self.rank3d = describe_rank(config.model, mesh, self.schedule, self.chunks, config.parallel,
-                                    config.micro_batch, config.seq_len, config.compute_dtype,
-                                    config.clip_grad is not None, config.optimizer)
+        self.rank3d = describe_rank(run.model, mesh, self.schedule, self.chunks, parallel, run.micro_batch,
+                                    run.seq_len, run.compute_dtype, run.clip_grad is not None, run.optimizer)
         self.busy_s, self.steps_done, self.cp_sent = 0.0, 0, [0.0]  # cp_sent: counting_sends
         state = TrainerState(self.shards, self.optimizer, self.scheduler, ctx.device,
-                             {"mesh": self.mesh, "dtype": str(config.master_dtype).removeprefix("torch."),
-                              "mixed_precision": config.parallel.mixed_precision})
-        self.checkpoints = Checkpointing(state, config.checkpoint, config.steps, mesh.rank, mesh.size)
+                             {"mesh": self.mesh, "dtype": run.dtype_name,
+                              "mixed_precision": run.mixed_precision})
+        self.checkpoints = Checkpointing(state, options.checkpoint, run.steps, mesh.rank, mesh.size)
         self.start_step = self.checkpoints.resume()
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -412,14 +391,14 @@ class Parallel3DStrategy(Strategy):
         return ActivationMeter([u.flat_param for u in units], gathered=lambda: [u.full for u in units])
 
     def all_to_all_formula(self) -> float:
-        cfg, par = self.config.model, self.config.parallel
+        cfg, par = self.run.model, self.run.options.parallel
         return all_to_all_formula(self.ep_steps, cfg.dim, self.rank3d.elem, self.device_mesh.ep,
                                   cfg.n_experts, par.activation_checkpointing == "full")
 
     def formulas(self, steps: int) -> tuple[float, dict[str, float]]:
         by_dim = {**comm_bytes_by_dim(self.rank3d, steps), "ep": self.all_to_all_formula()}
         self.group_formulas = formulas_by_group(by_dim, self.device_mesh.ranks, self.device_mesh.size,
-                                                self.config.model.n_experts > 0)
+                                                self.run.model.n_experts > 0)
         return sum(by_dim.values()), memory_formula(self.rank3d)
 
     def report_extras(self) -> dict:
@@ -429,12 +408,12 @@ class Parallel3DStrategy(Strategy):
             extras |= {"cp_comm_bytes": self.cp_sent[0],
                        "cp_comm_bytes_formula": cp_bytes_per_step(self.rank3d, self.steps_done)}
         if mesh.ep > 1:  # the meter's all_to_all_single bytes against the routing counts
-            imbalance = load_imbalance(self.ep_steps, mesh, self.device)
-            extras |= {"ep_all_to_all_bytes_formula": self.all_to_all_formula(),
+            imbalance, rows = load_imbalance(self.ep_steps, mesh, self.device)
+            extras |= {"ep_all_to_all_bytes_formula": self.all_to_all_formula(), "ep_rows_per_dispatch": rows,
                        "ep_load_imbalance": imbalance, "ep_load_imbalance_max": max(imbalance)}
-        tokens = self.steps_done * self.config.global_batch * self.config.seq_len
-        return {**extras, **schedule_extras(self.rank3d), "lr_schedule": self.config.lr_schedule,
-                "mfu": mfu(self.config.model, self.config.seq_len, tokens, self.busy_s,
+        tokens = self.steps_done * self.run.global_batch * self.run.seq_len
+        return {**extras, **schedule_extras(self.rank3d), "lr_schedule": self.run.options.lr_schedule,
+                "mfu": mfu(self.run.model, self.run.seq_len, tokens, self.busy_s,
                            self.device_mesh.size, self.device),
                 "memory_per_rank": memory_per_rank(self.device_mesh, self.memory())}  # grads freed
 
@@ -456,25 +435,19 @@ def mfu(cfg: LlamaConfig, seq_len: int, tokens: int, seconds: float, world: int,
 def counting_sends(group, sent: list[float]) -> Iterator[None]:
     """Add to sent[0] the bytes of every isend that `dist.batch_isend_irecv` posts on `group`
     while inside (the CP ring's, apart from the pipeline's on its own group); None: nothing."""
-    if group is None:
+    def counting(post):
+        def counted(ops):
+            sent[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops
+                           if op.group is group and getattr(op.op, "__name__", "") == "isend")
+            return post(ops)
+        return counted
+
+    with patch_dist({} if group is None else {"batch_isend_irecv": counting}):
         yield
-        return
-    post = dist.batch_isend_irecv
-
-    def counted(ops):
-        sent[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops
-                       if op.group is group and getattr(op.op, "__name__", "") == "isend")
-        return post(ops)
-
-    dist.batch_isend_irecv = counted
-    try:
-        yield
-    finally:
-        dist.batch_isend_irecv = post
 
 
-def build(args: argparse.Namespace, ctx: DistContext, config: Train3DConfig) -> Strategy:
-    return Parallel3DStrategy(config, ctx)
+def build(run: Run, ctx: DistContext) -> Strategy:
+    return Parallel3DStrategy(run, ctx)
 
 
 if __name__ == "__main__":

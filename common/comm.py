@@ -1,7 +1,8 @@
 """Communication meter: calls and bytes per collective, per rank, counted from outside.
 
-`with CommMeter() as meter:` swaps the functions of `torch.distributed` for counting wrappers and
-puts the originals back on exit, so the strategies' code stays plain `dist.all_reduce(...)`.
+`with CommMeter() as meter:` wraps the functions of `torch.distributed` in counting layers
+(common/patch.py's patch_dist: they nest with any other wrapper and come off on exit, exception
+or not), so the strategies' code stays plain `dist.all_reduce(...)`.
 Bytes are what this rank puts on the wire, by nccl-tests' conventions (S = the full tensor, n =
 the group size):
 
@@ -22,10 +23,14 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from collections.abc import Callable
+from contextlib import ExitStack
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
+from common.patch import patch_dist
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -95,7 +100,7 @@ class CommMeter:
     def __init__(self) -> None:
         self.stats: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "bytes": 0.0})
         self.by_group: dict[tuple[int, ...], float] = defaultdict(float)  # collectives' bytes per group
-        self._originals: dict[tuple[object, str], Callable] = {}
+        self._patched = ExitStack()
         self._inside = threading.local()
         self._lock = threading.Lock()
 
@@ -157,22 +162,14 @@ class CommMeter:
     def __enter__(self) -> CommMeter:
         if CommMeter._active is not None:
             raise RuntimeError("a CommMeter is already active in this process")
+        p2p = ("isend", "irecv")  # P2POp checks `op in [c10d.isend, c10d.irecv]`: wrap both names
+        self._patched.enter_context(patch_dist({op: partial(self._wrap, op) for op in _COST if op not in p2p}
+                                               | {"batch_isend_irecv": self._wrap_batch}))
+        self._patched.enter_context(patch_dist({op: partial(self._wrap, op) for op in p2p}, also=(c10d,)))
         CommMeter._active = self
-        for op in _COST:
-            if not hasattr(dist, op):
-                continue
-            wrapped = self._wrap(op, getattr(dist, op))
-            # P2POp checks `op in [c10d.isend, c10d.irecv]`: wrap both namespaces alike.
-            for module in (dist, c10d) if op in ("isend", "irecv") else (dist,):
-                self._originals[(module, op)] = getattr(module, op)
-                setattr(module, op, wrapped)
-        self._originals[(dist, "batch_isend_irecv")] = dist.batch_isend_irecv
-        dist.batch_isend_irecv = self._wrap_batch(dist.batch_isend_irecv)
         return self
 
     def __exit__(self, *exc) -> None:
-        for (module, op), fn in self._originals.items():
-            setattr(module, op, fn)
-        self._originals.clear()
         CommMeter._active = None
+        self._patched.close()
 

@@ -8,10 +8,13 @@ chapters it composes (COMPOSES); always from the module that defines the name
 (`from fsdp.wrap import MixedPrecision`), never from a package's __init__.py, so that a copy
 works with an empty __init__.py. A third-party package in OPTIONAL may be imported inside the one
 function that needs it (a plot, an export format), never at the top of a file. Kernel files
-import only the standard library, torch and the kernel.
+import only the standard library, torch and the kernel; a kernel file in OPTIONAL_KERNEL (the MoE
+layer) is imported inside the function that needs it where only some models use it (common/model.py
+builds a MoE block), so a dense copy leaves it out.
 
 A piece's copy set is the import closure of its entry files: every project file they import,
-and those files' imports, down to the kernel (imports under `if TYPE_CHECKING:` excluded). Copy
+and those files' imports, down to the kernel (imports under `if TYPE_CHECKING:` excluded, and
+those of an OPTIONAL_KERNEL file inside a function: the README names it for the models that need it). Copy
 each file into a folder named by its package (01_data_parallel/ddp.py → data_parallel/ddp.py,
 common/clip.py → common/clip.py), with an empty __init__.py in each folder, on your import path:
 the imports then resolve as they are, with no edit. The test copies exactly that into an empty
@@ -40,7 +43,8 @@ PACKAGES: dict[str, str] = dict(re.findall(
 FOLDERS = {folder: name for name, folder in PACKAGES.items()}
 
 KERNEL = ("common/clip.py", "common/collectives.py", "common/mesh.py", "common/model.py",
-          "common/moe.py", "common/optimizer_bytes.py", "common/p2p_plan.py")
+          "common/moe.py", "common/optimizer_bytes.py", "common/p2p_plan.py", "common/patch.py")
+OPTIONAL_KERNEL = {"common/moe.py": "a mixture-of-experts model (n_experts > 0)"}
 COMPOSES = {"parallel3d": ("fsdp", "tensor_parallel", "pipeline")}
 OPTIONAL = {"matplotlib": "06's timeline plots", "safetensors": "07's Hugging Face export"}
 NOT_CORE = re.compile(  # the before-stop hook's exemption pattern
@@ -93,7 +97,7 @@ COPY_SETS: dict[str, CopySet] = {
         "from pipeline.executor import PipelineExecutor; from pipeline.schedules import make_schedule",
         ("06_pipeline/executor.py", "06_pipeline/schedules.py", "common/clip.py"),  # the norm over stages
         ("06_pipeline/backward_split.py", "06_pipeline/executor.py", "06_pipeline/p2p.py",
-         "06_pipeline/schedules.py", "06_pipeline/timeline.py", "common/clip.py", "common/moe.py")),
+         "06_pipeline/schedules.py", "06_pipeline/timeline.py", "common/clip.py")),
     "parallelize_3d": CopySet(
         "07_3d/README.md",
         "from parallel3d.parallelize import parallelize_3d; from parallel3d.clip import clip_grad_norm_3d",
@@ -106,7 +110,7 @@ COPY_SETS: dict[str, CopySet] = {
          "06_pipeline/schedules.py", "06_pipeline/stage.py", "06_pipeline/timeline.py",
          "07_3d/checkpoint/reshard.py", "07_3d/clip.py", "07_3d/parallelize.py", "07_3d/recompute.py",
          "07_3d/shards.py", "common/clip.py", "common/collectives.py", "common/mesh.py",
-         "common/model.py", "common/moe.py")),
+         "common/model.py")),
     "checkpoint save/load": CopySet(
         "07_3d/checkpoint/README.md",
         "from parallel3d.checkpoint.save import save_checkpoint; "
@@ -181,16 +185,22 @@ def resolve(imp: Import) -> list[str]:
     return [own] if own else []
 
 
-def closure(entries: tuple[str, ...] | list[str]) -> tuple[str, ...]:
-    """Every project file the entries need at run time, the entries included, sorted."""
+def closure(entries: tuple[str, ...] | list[str], optional: bool = False) -> tuple[str, ...]:
+    """Every project file the entries need at run time, the entries included, sorted; with
+    `optional`, also the OPTIONAL_KERNEL files they import inside a function."""
     seen, todo = set(entries), list(entries)
     while todo:
         for imp in imports(todo.pop()):
             for f in resolve(imp) if not imp.typing_only else []:
-                if f not in seen:
+                if f not in seen and (optional or not imp.lazy or f not in OPTIONAL_KERNEL):
                     seen.add(f)
                     todo.append(f)
     return tuple(sorted(seen))
+
+
+def optional_files(piece: CopySet) -> tuple[str, ...]:
+    """The OPTIONAL_KERNEL files a piece's files import inside a function (and what they need)."""
+    return tuple(f for f in closure(piece.files, optional=True) if f not in piece.files)
 
 
 # --- the rule -----------------------------------------------------------------------------------
@@ -259,12 +269,13 @@ def readme_section(readme: str) -> str:
     for name, piece in COPY_SETS.items():
         if piece.readme != readme:
             continue
-        links = ", ".join(f"[`{copy_path(f)}`]({os.path.relpath(ROOT / f, here)})" for f in piece.files)
         total = sum(line_count(f) for f in piece.files)
-        out += [fill(f"**{name}** (`{piece.use}`): {len(piece.files)} files, {total} lines: {links}.")]
+        link = lambda f: f"[`{copy_path(f)}`]({os.path.relpath(ROOT / f, here)})"  # noqa: E731
+        links = ", ".join(link(f) for f in piece.files)
+        extra = "".join(f" For {OPTIONAL_KERNEL[f]}, also {link(f)}." for f in optional_files(piece))
+        out += [fill(f"**{name}** (`{piece.use}`): {len(piece.files)} files, {total} lines: {links}.{extra}")]
     guide = os.path.relpath(ROOT / "CONTRIBUTING.md", here)
-    out += [fill(f"Each file goes into a folder named by its package; how, and the test that trains "
-                 f"the copy alone: [CONTRIBUTING.md]({guide}#copy-a-piece).")]
+    out += [f"How to copy, and the test that trains a copy alone: [CONTRIBUTING.md]({guide}#copy-a-piece)."]
     return "\n".join(out) + "\n"
 
 

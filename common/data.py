@@ -7,15 +7,12 @@ global_batch / dp rows and cuts it into micro-batches; the reference takes all o
 
 from __future__ import annotations
 
-import argparse
 import os
 import zlib
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-from common.cli import model_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,20 +72,20 @@ def local_micro_batches(tokens: torch.Tensor, dp_rank: int, dp_size: int,
     return list(local.split(micro_batch))
 
 
-def make_data(args: argparse.Namespace, device: torch.device | None = None):
-    """The token source. A byte corpus is read by every rank on its own, so (with a process
-    group) the ranks compare a checksum of what they read: a file edited while the job started
-    would otherwise give the ranks different data, silently."""
-    vocab = model_config(args).vocab_size
-    if args.data == "synthetic":
-        return SyntheticTokens(vocab, args.seq_len, args.seed)
-    corpus = ByteCorpus(args.seq_len, args.seed, args.data)
+def make_data(source: str | None, vocab: int, seq_len: int, seed: int, device: torch.device | None = None):
+    """The token source of `--data` (`source`: a file, None for this repository's text, or
+    "synthetic"). A byte corpus is read by every rank on its own, so (with a process group) the
+    ranks compare a checksum of what they read: a file edited while the job started would
+    otherwise give the ranks different data, silently."""
+    if source == "synthetic":
+        return SyntheticTokens(vocab, seq_len, seed)
+    corpus = ByteCorpus(seq_len, seed, source)
     if dist.is_initialized() and dist.get_world_size() > 1:
         digest = zlib.crc32(corpus.data.to(torch.uint8).numpy().tobytes())
         ends = torch.tensor([digest, -digest, len(corpus.data), -len(corpus.data)],
                             dtype=torch.int64, device=device)
         dist.all_reduce(ends, op=dist.ReduceOp.MAX)
         if ends[0] != -ends[1] or ends[2] != -ends[3]:
-            raise RuntimeError(f"the ranks read different corpora from --data {args.data or '(repo)'}: "
+            raise RuntimeError(f"the ranks read different corpora from --data {source or '(repo)'}: "
                                "a file changed while the job started; rerun, or pass a fixed --data FILE")
     return corpus

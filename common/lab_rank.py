@@ -11,6 +11,7 @@ import importlib.util
 import os
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -20,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from common.p2p_plan import P2PRecorder
+from common.patch import patch_dist
 
 TRACED = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
           "reduce_scatter_single", "all_to_all_single", "broadcast", "barrier", "all_gather",
@@ -54,7 +56,6 @@ def _describe(args: tuple, kwargs: dict) -> str:
 def trace_ops(path: str):
     """Append each collective / send / recv this rank posts to `path` before it runs (the last
     line is what a hung rank waits in). Wraps torch.distributed from the outside, like the meter."""
-    originals = [(m, n, getattr(m, n)) for n in TRACED for m in (dist, c10d) if hasattr(m, n)]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def traced(name: str, fn):
@@ -64,15 +65,10 @@ def trace_ops(path: str):
         call.__name__ = fn.__name__
         return call
 
-    wrapped = {}
-    for module, name, fn in originals:
-        wrapped.setdefault(name, traced(name, fn))
-        setattr(module, name, wrapped[name])
     try:
-        yield
+        with patch_dist({name: partial(traced, name) for name in TRACED}, also=(c10d,)):
+            yield
     finally:
-        for module, name, fn in originals:
-            setattr(module, name, fn)
         os.close(fd)
 
 
@@ -98,15 +94,10 @@ def record_p2p_plan():
         return _Done()
 
     stubs = {"batch_isend_irecv": lambda ops: [_Done() for _ in ops], "isend": isend, "irecv": irecv}
-    saved = [(m, n, getattr(m, n)) for n in stubs for m in (dist, c10d)]
-    for module, name, _ in saved:
-        setattr(module, name, stubs[name])
-    try:
-        with P2PRecorder() as recorder:
-            yield recorder
-    finally:
-        for module, name, fn in saved:
-            setattr(module, name, fn)
+    no_data = patch_dist({name: lambda _torchs, stub=stub: stub for name, stub in stubs.items()},
+                         also=(c10d,))
+    with no_data, P2PRecorder() as recorder:
+        yield recorder
 
 
 def _on_rank(package: str, prop_name: str, lab_path: str, config: dict, trace_dir: str) -> Any:

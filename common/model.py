@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.moe import GATES, MoEFeedForward
+GATES = ("softmax", "sigmoid")  # a MoE router's gates (common/moe.py's route)
 
 
 @dataclass(frozen=True)
@@ -50,10 +50,33 @@ class LlamaConfig:
     aux_loss_coef: float = 0.01  # α of the sequence-wise load-balancing loss
     capacity_factor: float | None = None  # None: dropless; else C = ceil(cf·T·k/E) per sequence
     first_dense_layers: int = 0  # layers 0 … first_dense_layers-1 keep the dense SwiGLU
+    # Multi-head latent attention (DeepSeek-V2/V3's MLA), for the planner only: kv_lora_rank > 0
+    # describes its shape (DeepSeek's config names), which `Llama` does not build. Q = W_qb ·
+    # norm(W_qa x) (q_lora_rank; 0: W_q x), K/V = W_kvb · norm(c_kv), c_kv = W_kva x
+    # (kv_lora_rank, plus a shared RoPE key of qk_rope_head_dim); a head's query and key are
+    # qk_nope_head_dim + qk_rope_head_dim wide, its value v_head_dim.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """One head's query/key width: head_dim, or MLA's nope + rope parts."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.mla else self.head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim if self.mla else self.head_dim
 
     @property
     def hidden_dim(self) -> int:
@@ -77,6 +100,9 @@ class LlamaConfig:
             raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.mla and min(self.qk_rope_head_dim, self.v_head_dim, self.qk_nope_head_dim) <= 0:
+            raise ValueError(f"MLA (kv_lora_rank={self.kv_lora_rank}) needs qk_nope_head_dim, "
+                             "qk_rope_head_dim and v_head_dim > 0")
         if self.n_experts:
             checks = [(1 <= self.top_k <= self.n_experts, f"top_k={self.top_k}: use 1 … n_experts"),
                       (self.n_shared_experts in (0, 1),
@@ -126,16 +152,17 @@ CONFIGS: dict[str, LlamaConfig] = {
     "mixtral-8x7b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
                                 rope_theta=1e6, max_seq_len=32768, n_experts=8, top_k=2,
                                 moe_hidden_dim=14336, aux_loss_coef=0.02),
-    # DeepSeek-V3's shape (671B total, 37B active) with our attention: its MLA (187.1M weights a
-    # layer) is approximated by 128-head MHA (head_dim 56, 205.5M): 672.1B total, 38.7B active
-    # (with MLA's weights instead: 671.0B and 37.6B). The first 3 layers dense (width 18432), then
-    # 256 experts of width 2048, top-8 by sigmoid, 1 shared expert. Its multi-token-prediction
-    # module (the 14B that make the checkpoint's 685B) is not counted.
+    # DeepSeek-V3's shape (its inference/configs/config_671B.json): MLA with 128 heads (query/key
+    # 128 + 64 wide, value 128; latents q 1536, kv 512: 187.1M weights a layer), the first 3
+    # layers dense (width 18432), then 256 experts of width 2048, top-8 by sigmoid, 1 shared
+    # expert: 671.0B total, 37.6B active. Its multi-token-prediction module (the 14B that make
+    # the checkpoint's 685B) is not counted. MLA is the planner's to price: `Llama` refuses it.
     "deepseek-v3": LlamaConfig(dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, vocab_size=129280,
                                multiple_of=1024, ffn_dim_multiplier=0.96, norm_eps=1e-6,
                                max_seq_len=4096, n_experts=256, top_k=8, n_shared_experts=1,
                                moe_hidden_dim=2048, gate="sigmoid", aux_loss_coef=1e-4,
-                               first_dense_layers=3),
+                               first_dense_layers=3, q_lora_rank=1536, kv_lora_rank=512,
+                               qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
 }
 
 
@@ -173,6 +200,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
+        if not isinstance(dim, int):  # torch's nn.RMSNorm also takes a shape: it normalizes over all of it
+            raise TypeError(f"RMSNorm(dim={dim!r}, eps): dim is the size of the last dimension, the one "
+                            "normalized; for several, use torch.nn.RMSNorm(normalized_shape, eps)")
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
@@ -230,6 +260,8 @@ def feed_forward(cfg: LlamaConfig, layer_id: int) -> nn.Module:
     """Layer `layer_id`'s SwiGLU: dense (FeedForward), or MoEFeedForward from first_dense_layers on."""
     if not cfg.is_moe_layer(layer_id):
         return FeedForward(cfg.dim, cfg.hidden_dim)
+    from common.moe import MoEFeedForward  # only a MoE model needs common/moe.py (a dense copy: not)
+
     shared = FeedForward(cfg.dim, cfg.expert_hidden_dim) if cfg.n_shared_experts else None
     return MoEFeedForward(cfg.dim, cfg.expert_hidden_dim, cfg.n_experts, cfg.top_k, cfg.gate,
                           cfg.aux_loss_coef, cfg.capacity_factor, shared)
@@ -255,6 +287,9 @@ class Llama(nn.Module):
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
+        if cfg.mla:
+            raise ValueError("multi-head latent attention (kv_lora_rank > 0) is a shape for the planner "
+                             "(parallel3d.planner) to price; common.model builds grouped-query attention")
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))

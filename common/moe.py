@@ -3,8 +3,11 @@ replaces. A token goes through k of E expert SwiGLUs (plus an always-on shared o
 
     y_n = shared(x_n) + Σ_{j<k} kept_nj · g_nj · E_{e_nj}(x_n)        E_i(x) = W2_i (silu(W1_i x) ⊙ W3_i x)
 
-Routing, per token (router W_r: dim → E, no bias; logits in float32 or better): e_n = the top-k
-of the logits (= the top-k of either gate's scores: both are monotonic), and
+Routing, per token (router W_r: dim → E, no bias): the logits W_r x, the gates, the top-k and the
+aux loss are computed in float32 or better whatever the activations' dtype (Megatron's
+moe_router_dtype="fp32": under bf16 a logit rounded to 8 bits flips near-tied top-k choices, and a
+bf16 softmax rounds every gate), only g cast back to the activations' dtype. e_n = the top-k of
+the logits (= the top-k of either gate's scores: both are monotonic), and
     gate "softmax" (Mixtral; torchtitan's route_norm):  p = softmax(logits) over all E, g_nj = p_e / Σ_j' p_e'
     gate "sigmoid" (DeepSeek-V3):                       σ = sigmoid(logits),           g_nj = σ_e / Σ_j' σ_e'
 DeepSeek-V3's selection bias (auxiliary-loss-free balancing), group-limited routing and routed
@@ -18,10 +21,12 @@ Load balance (DeepSeek-V3's sequence-wise loss; Switch's f·P, per sequence). Se
 The mean over sequences decomposes over data-parallel shards (the global-batch mean is the mean of
 equal shards' means); one f·P over the whole batch would not. `MoEAuxLossAutoScaler` (Megatron's)
 returns the layer output unchanged and, in backward, also backpropagates scale · aux, so every MoE
-layer gets its aux gradient even on a pipeline stage that never sees the loss. `scale` is set by
-whoever divides the loss by the number of micro-batches: `set_aux_loss_scale(model, s)` (the shared
-loop: 1/k; the pipeline executor: 1/m; the single-device reference: the default 1). The reported
-loss stays the cross-entropy; `aux_loss(model)` is the Σ over layers of the last forward's aux.
+layer gets its aux gradient even on a pipeline stage that never sees the loss. Its `scale` is the
+layer's `aux_loss_scale`, which whoever divides the loss by the number of micro-batches sets on
+every module that has one (the shared loop: 1/k; the pipeline executor: 1/m; your own loop:
+`set_aux_loss_scale(model, 1/k)`; the single-device reference keeps the default 1): they look for
+the attribute, never import this file, so a dense copy of them leaves it out. The reported loss
+stays the cross-entropy; `aux_loss(model)` is the Σ over layers of the last forward's aux.
 
 Capacity (capacity_factor None: dropless, the default): C = ceil(cf · T · k / E) slots per expert
 per sequence, kept first come first kept in position order (t < t' ⇒ (t, j) before (t', j')). A
@@ -55,8 +60,6 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-GATES = ("softmax", "sigmoid")
 
 
 @dataclass
@@ -111,9 +114,10 @@ def sequence_balance_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.T
     return (f * probs.mean(1)).sum(-1)
 
 
-def route(logits: torch.Tensor, top_k: int, gate: str, capacity_factor: float | None
-          ) -> tuple[RoutingPlan, torch.Tensor]:
-    """logits [B, T, E] → (the plan over N = B·T tokens, the per-sequence balance terms [B])."""
+def route(logits: torch.Tensor, top_k: int, gate: str, capacity_factor: float | None,
+          dtype: torch.dtype | None = None) -> tuple[RoutingPlan, torch.Tensor]:
+    """logits [B, T, E] → (the plan over N = B·T tokens, the per-sequence balance terms [B]),
+    computed in float32 or better; the gate weights g in `dtype` (default: the logits')."""
     _, T, E = logits.shape
     scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if gate == "softmax":
@@ -123,10 +127,10 @@ def route(logits: torch.Tensor, top_k: int, gate: str, capacity_factor: float | 
         probs = scores.sigmoid()
         normalised = probs / probs.sum(-1, keepdim=True)
     else:
-        raise ValueError(f"gate={gate!r}: use one of {', '.join(GATES)}")
+        raise ValueError(f"gate={gate!r}: use 'softmax' or 'sigmoid'")
     experts = scores.topk(top_k, dim=-1).indices  # [B, T, k]
     chosen = probs.gather(-1, experts)
-    weights = (chosen / chosen.sum(-1, keepdim=True)).to(logits.dtype)
+    weights = (chosen / chosen.sum(-1, keepdim=True)).to(dtype or logits.dtype)
     kept = (torch.ones_like(experts, dtype=torch.bool) if capacity_factor is None
             else capacity_mask(experts, E, capacity(capacity_factor, T, top_k, E)))
     plan = RoutingPlan(experts.flatten(0, 1), weights.flatten(0, 1), kept.flatten(0, 1), E)
@@ -221,7 +225,9 @@ class MoEFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
-        plan, balance = route(self.router(x), self.top_k, self.gate, self.capacity_factor)
+        router_dtype = torch.promote_types(x.dtype, torch.float32)  # bf16 activations: fp32 logits
+        logits = F.linear(x.to(router_dtype), self.router.weight.to(router_dtype))
+        plan, balance = route(logits, self.top_k, self.gate, self.capacity_factor, dtype=x.dtype)
         flat = x.reshape(B * T, D)
         inputs, counts = self.dispatcher.dispatch(flat, plan)
         y = self.dispatcher.combine(self.experts(inputs, counts), plan)

@@ -21,10 +21,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
+from functools import partial
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
+from common.patch import patch_dist
 
 
 @dataclass(frozen=True)
@@ -149,11 +153,11 @@ class P2PRecorder:
     groups posted on the process group whose global ranks are `ranks`, each a tuple of PlannedOp
     with global peer ranks (P2POp's `peer` and isend's `dst` are global in torch 2.6+) and bytes.
     A context manager around `dist.batch_isend_irecv`, `dist.isend` and `dist.irecv` (wrapping
-    from outside, like the comm meter; nestable with it)."""
+    from outside with common/patch.py's patch_dist, like the comm meter; nestable with it)."""
 
     def __init__(self) -> None:
         self.groups: dict[tuple[int, ...], list[tuple[PlannedOp, ...]]] = defaultdict(list)
-        self._originals: list[tuple[object, str, object]] = []
+        self._patched = ExitStack()
         self._in_batch = False
 
     @staticmethod
@@ -191,19 +195,14 @@ class P2PRecorder:
         return recorded
 
     def __enter__(self) -> P2PRecorder:
-        self._originals = [(dist, "batch_isend_irecv", dist.batch_isend_irecv)]
-        dist.batch_isend_irecv = self._wrap_batch(dist.batch_isend_irecv)
-        for name, kind in (("isend", "send"), ("irecv", "recv")):
-            wrapped = self._wrap_single(kind, getattr(dist, name))
-            for module in (dist, c10d):  # P2POp checks `op in [c10d.isend, c10d.irecv]`
-                self._originals.append((module, name, getattr(module, name)))
-                setattr(module, name, wrapped)
+        self._patched.enter_context(patch_dist({"batch_isend_irecv": self._wrap_batch}))
+        self._patched.enter_context(patch_dist({"isend": partial(self._wrap_single, "send"),  # P2POp
+                                                "irecv": partial(self._wrap_single, "recv")},  # checks
+                                               also=(c10d,)))  # `op in [c10d.isend, c10d.irecv]`
         return self
 
     def __exit__(self, *exc) -> None:
-        for module, name, fn in reversed(self._originals):
-            setattr(module, name, fn)
-        self._originals = []
+        self._patched.close()
 
 
 def plan_from_records(records: Sequence[dict[tuple[int, ...], list]]) -> dict[tuple[int, ...], Plan]:

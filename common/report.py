@@ -89,7 +89,7 @@ def summary_table(report: dict, observed: bool = False) -> str:
         lines.append(f"{'comm EP all-to-all (rows + counts)':<{W}}{human_bytes(sent):>14}"
                      f"{human_bytes(report['ep_all_to_all_bytes_formula']):>14}"
                      f"{_ratio(sent, report['ep_all_to_all_bytes_formula']):>9}")
-        lines.append(f"{'EP rows per rank max/mean (worst step)':<{W}}"
+        lines.append(f"{'EP rows max/mean (worst layer, step)':<{W}}"
                      f"{report['ep_load_imbalance_max']:>14.4f}{'1 (ideal)':>14}")
     if report.get("cp_load_balance") is not None:
         lines.append(f"{'CP attention work max/min over ranks':<{W}}{report['cp_load_balance']:>14.4f}"

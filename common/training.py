@@ -8,7 +8,7 @@ model and its `parallelize_*`): it fills `Strategy`'s hooks; a pipeline replaces
     step s:  tokens = data.global_batch(s)                       [global_batch, seq_len + 1]
              micro  = rows [r·B/dp, (r+1)·B/dp) of tokens, cut into k = grad_accum micro-batches
              forward_backward(micro):                             timed window, comm meter
-                 set_aux_loss_scale(model, 1/k)                   MoE: each aux loss / k, like the loss
+                 m.aux_loss_scale = 1/k  for m in model.modules()  MoE: each aux loss / k, like the loss
                  for i < k:  with no_sync() unless i = k-1:  (micro_batch_loss(micro[i]) / k).backward()
                  after_backward()
              (check) full_gradients(), full_parameters()          outside both, to rank 0
@@ -16,13 +16,11 @@ model and its `parallelize_*`): it fills `Strategy`'s hooks; a pipeline replaces
              zero_grad()                                          timed window, comm meter
 
 A chapter's train.py is `run_main(parse_args, validate, build, chapter=N)`. `parse_args(argv)`
-gives the flags as typed; nothing writes into them later. `validate(args, world_size)` runs on
-every rank before any collective (bad input: ConfigError naming flag, value and fix) and returns
-the run's frozen config, which has the batch layout's `micro_batch` and `grad_accum`: a
-`common.cli.BatchLayout`, or the chapter's own frozen dataclass of resolved values (03: flags
-over a DeepSpeed file); where it has a field named like a shared flag the loop reads
-(`global_batch`, `clip_grad`, `mixed_precision`), that value wins over the typed one (`setting`).
-`build(args, ctx, config)` then builds the strategy. `--profile DIR`: common/profile.py.
+gives the flags as typed. `validate(args, world_size)` runs on every rank before any collective
+(bad input: ConfigError naming flag, value and fix) and returns the frozen `common.run.Run`:
+every value derived once (model, mesh shape, batch layout, dtypes, the chapter's options); the
+namespace goes no further. `build(run, ctx)` builds the strategy from it, and the loop and the
+report read only it. `--profile DIR`: common/profile.py.
 
 TP and PP ranks of one data-parallel replica share `dp_rank`, so they take the same rows. A step's
 reported loss is the mean over the ranks that have one (PP: the last stage; TP: every rank of the
@@ -48,13 +46,12 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.cli import DTYPES, ConfigError, exit_on_config_error, model_config
+from common.cli import ConfigError, exit_on_config_error
 from common.clip import clip_grads_by_global_norm_
 from common.comm import CommMeter
 from common.data import local_micro_batches, make_data, split_inputs_targets
@@ -70,24 +67,11 @@ from common.dist import (
 from common.memory import ActivationMeter, CudaPeakMeter, model_state_bytes
 from common.mixed_precision import MasterWeights
 from common.model import loss_fn
-from common.moe import set_aux_loss_scale
 from common.profile import profiler_or_nothing
 from common.reference import LockstepReference
 from common.report import comm_convention, emit_report
+from common.run import Run
 from common.wire import WireMeter
-
-
-class BatchConfig(Protocol):
-    """`validate`'s result as the loop reads it (a BatchLayout, or a chapter's frozen config)."""
-
-    micro_batch: int
-    grad_accum: int
-
-
-def setting(args: argparse.Namespace, config: BatchConfig, flag: str, default=None):
-    """The value the run uses for a shared flag the loop reads (`global_batch`, `clip_grad`,
-    `mixed_precision`): the frozen config's where it has that field, else what the user typed."""
-    return getattr(config, flag) if hasattr(config, flag) else getattr(args, flag, default)
 
 
 class Strategy:
@@ -116,7 +100,8 @@ class Strategy:
         the device): the gradient of the *global* batch's mean loss. Returns their mean loss as a
         detached 0-dim device tensor (no host sync), or None on a rank without one (a pipeline stage)."""
         k, losses = len(micro_batches), []
-        set_aux_loss_scale(self.model, 1 / k)  # each MoE layer's aux loss is divided like the loss
+        for m in (m for m in self.model.modules() if hasattr(m, "aux_loss_scale")):
+            m.aux_loss_scale = 1 / k  # a module's own loss term (common/moe.py's aux loss) / k too
         for i, tokens in enumerate(micro_batches):
             with self.no_sync() if i < k - 1 else nullcontext():
                 loss = self.micro_batch_loss(tokens) / k
@@ -196,9 +181,8 @@ def rank_micro_batches(strategy: Strategy, tokens: torch.Tensor, micro_batch: in
             local_micro_batches(tokens, strategy.dp_rank, strategy.dp_size, micro_batch)]
 
 
-def measure_activations(args: argparse.Namespace, device: torch.device) -> bool:
+def measure_activations(asked: bool | None, device: torch.device) -> bool:
     """`--measure-activations` if given, else on everywhere but CUDA (the allocator's peak)."""
-    asked = getattr(args, "measure_activations", None)
     return device.type != "cuda" if asked is None else asked
 
 
@@ -257,10 +241,11 @@ class Instruments:
     saved-tensor activation meter (forward_backward only, where measured), and the time between
     two `synchronize`s."""
 
-    def __init__(self, args: argparse.Namespace, ctx: DistContext, strategy: Strategy):
+    def __init__(self, run: Run, ctx: DistContext, strategy: Strategy):
         self.device, self.seconds = ctx.device, 0.0
         self.comm, self.peak = CommMeter(), CudaPeakMeter(ctx.device)
-        self.activations = strategy.activation_meter() if measure_activations(args, ctx.device) else None
+        measured = measure_activations(run.measure_activations, ctx.device)
+        self.activations = strategy.activation_meter() if measured else None
         self.wire = WireMeter(ctx.backend, ctx.device, ctx.world_size)
         self.wire.calibrate()
 
@@ -278,34 +263,30 @@ class Instruments:
         self.wire.close()
 
 
-def train(args: argparse.Namespace, ctx: DistContext, strategy: Strategy, config: BatchConfig,
-          chapter: int) -> dict:
-    """Train `strategy` for args.steps steps; return the run report (with --check, the verdict
+def train(run: Run, ctx: DistContext, strategy: Strategy, chapter: int) -> dict:
+    """Train `strategy` for run.steps steps; return the run report (with --check, the verdict
     too, the same on every rank)."""
-    seed_everything(args.seed)
-    data = make_data(args, ctx.device)
-    measured = Instruments(args, ctx, strategy)
-    global_batch = setting(args, config, "global_batch")
+    seed_everything(run.seed)
+    data = make_data(run.data, run.model.vocab_size, run.seq_len, run.seed, ctx.device)
+    measured = Instruments(run, ctx, strategy)
     with measured.peak.exclude():  # the reference stays resident on rank 0 but is not the strategy's
-        reference = (LockstepReference(model_config(args), args.seed, DTYPES[args.dtype], args.optimizer,
-                                       args.lr, ctx.device, clip_grad=setting(args, config, "clip_grad"),
-                                       mixed_precision=setting(args, config, "mixed_precision", "none"))
-                     if args.check and ctx.is_main else None)
-    log = ProgressLog(args.steps, global_batch * args.seq_len, getattr(args, "log_every", 0),
-                      ctx.device, strategy.start_step)
-    ran = args.steps - strategy.start_step  # a resumed run reports the steps it ran
+        reference = (LockstepReference(run.model, run.seed, run.dtype, run.optimizer, run.lr, ctx.device,
+                                       clip_grad=run.clip_grad, mixed_precision=run.mixed_precision)
+                     if run.check and ctx.is_main else None)
+    log = ProgressLog(run.steps, run.global_batch * run.seq_len, run.log_every, ctx.device,
+                      strategy.start_step)
+    ran = run.steps - strategy.start_step  # a resumed run reports the steps it ran
     local_losses = torch.zeros(ran, 2, dtype=torch.float64, device=ctx.device)  # [loss, has one]
-    profiler = profiler_or_nothing(getattr(args, "profile", None), ctx.rank, ctx.device,
-                                   strategy.start_step, args.steps)
+    profiler = profiler_or_nothing(run.profile, ctx.rank, ctx.device, strategy.start_step, run.steps)
     memory = {}
-    for i, step in enumerate(range(strategy.start_step, args.steps)):
-        tokens = data.global_batch(step, global_batch)
-        micro = rank_micro_batches(strategy, tokens, config.micro_batch, ctx.device)
+    for i, step in enumerate(range(strategy.start_step, run.steps)):
+        tokens = data.global_batch(step, run.global_batch)
+        micro = rank_micro_batches(strategy, tokens, run.micro_batch, ctx.device)
         with measured.measure("forward_backward"), profiler.window(step, "forward_backward"):
             loss = strategy.forward_backward(micro)
         record_loss(local_losses[i], loss)
         del loss
-        if args.check:
+        if run.check:
             with profiler.paused():
                 grads, params = strategy.full_gradients(), strategy.full_parameters()
                 if reference is not None:
@@ -314,20 +295,20 @@ def train(args: argparse.Namespace, ctx: DistContext, strategy: Strategy, config
             del grads, params  # rank 0's gathered copies must not stay into the next window
         with measured.measure("step"), profiler.window(step, "step"):
             strategy.step()
-            if step == args.steps - 1:
+            if step == run.steps - 1:
                 memory = strategy.memory()
             strategy.zero_grad()
         log(step, local_losses[i : i + 1])
         strategy.after_step(step + 1)
     profiler.finish()
-    report = run_report(args, ctx, strategy, config, chapter, measured, global_loss(local_losses), memory)
-    if args.check:
+    report = run_report(run, ctx, strategy, chapter, measured, global_loss(local_losses), memory)
+    if run.check:
         report.update(check_verdict(ctx, strategy, reference, report["losses"]))
     return report
 
 
-def run_report(args: argparse.Namespace, ctx: DistContext, strategy: Strategy, config: BatchConfig,
-               chapter: int, measured: Instruments, losses: list[float], memory: dict) -> dict:
+def run_report(run: Run, ctx: DistContext, strategy: Strategy, chapter: int, measured: Instruments,
+               losses: list[float], memory: dict) -> dict:
     """The run report's keys (outside the meter and the timing)."""
     ran, comm = len(losses), measured.comm
     comm_formula, memory_formula = strategy.formulas(ran)
@@ -337,9 +318,9 @@ def run_report(args: argparse.Namespace, ctx: DistContext, strategy: Strategy, c
     return {
         "chapter": chapter, "strategy": strategy.name, "world_size": ctx.world_size,
         "mesh": strategy.mesh, "backend": ctx.backend, "device": str(ctx.device),
-        "dtype": args.dtype, "mixed_precision": setting(args, config, "mixed_precision", "none"),
-        "steps": ran, "losses": losses, "micro_batch": config.micro_batch, "grad_accum": config.grad_accum,
-        "tokens_per_s": ran * setting(args, config, "global_batch") * args.seq_len / measured.seconds,
+        "dtype": run.dtype_name, "mixed_precision": run.mixed_precision,
+        "steps": ran, "losses": losses, "micro_batch": run.micro_batch, "grad_accum": run.grad_accum,
+        "tokens_per_s": ran * run.global_batch * run.seq_len / measured.seconds,
         "comm": comm.as_dict(), "comm_bytes_per_rank": comm.bytes_sent,
         "comm_bytes_formula": comm_formula, "comm_convention": comm_convention(comm.as_dict()),
         **measured.wire.report(comm.bytes_sent),
@@ -361,35 +342,34 @@ def check_verdict(ctx: DistContext, strategy: Strategy, reference: LockstepRefer
     return verdict | {"check_passed": bool(passed.item())}
 
 
-Build = Callable[[argparse.Namespace, DistContext, BatchConfig], Strategy]
-BeforeTraining = Callable[[argparse.Namespace, DistContext], dict]
+Build = Callable[[Run, DistContext], Strategy]
+BeforeTraining = Callable[[Run, DistContext], dict]
 
 
-def run(args: argparse.Namespace, ctx: DistContext, config: BatchConfig, build: Build, chapter: int,
-        before_training: BeforeTraining | None = None) -> dict:
+def build_and_train(run: Run, ctx: DistContext, build: Build, chapter: int,
+                    before_training: BeforeTraining | None = None) -> dict:
     """Run `before_training` (its dict joins the report), build the strategy, train; the report.
     The tests call this inside the rank pool; `launch` is the same with parsing and exit."""
-    extras = before_training(args, ctx) if before_training else {}
-    report = train(args, ctx, build(args, ctx, config), config, chapter)
+    extras = before_training(run, ctx) if before_training else {}
+    report = train(run, ctx, build(run, ctx), chapter)
     report.update(extras)
     return report
 
 
 def launch(parse_args: Callable[[list[str] | None], argparse.Namespace],
-           validate: Callable[[argparse.Namespace, int], BatchConfig], build: Build, chapter: int,
+           validate: Callable[[argparse.Namespace, int], Run], build: Build, chapter: int,
            argv: list[str] | None = None, before_training: BeforeTraining | None = None) -> int:
     """A chapter's `main`: parse and validate on every rank before any collective (a bad flag
     exits 2 with one line), join the job, `run`, print the report on rank 0. Exit status 1 when
     `--check` failed or an entry of `before_training`'s dict says {"passed": False}."""
-    args = parse_args(argv)
     try:
-        config = validate(args, env_world_size())
+        run = validate(parse_args(argv), env_world_size())
     except (ConfigError, LaunchError) as error:
         exit_on_config_error(os.environ.get("RANK", "?"), error)
     ctx = init_distributed()
-    report = run(args, ctx, config, build, chapter, before_training)
+    report = build_and_train(run, ctx, build, chapter, before_training)
     if ctx.is_main:
-        emit_report(report, args.report, args.observed_comm)
+        emit_report(report, run.report, run.observed_comm)
     extra_ok = all(v.get("passed", True) for v in report.values() if isinstance(v, dict))
     status = 0 if report.get("check_passed", True) and extra_ok else 1
     shutdown()

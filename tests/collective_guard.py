@@ -41,6 +41,8 @@ import torch.distributed.distributed_c10d as c10d
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from common.patch import patch_dist
+
 MARK = "_pfs_host_default"
 COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
                "all_gather_single", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
@@ -107,11 +109,12 @@ class HostDefaultTracker(TorchFunctionMode):
 
 class CollectiveGuard:
     """Context manager: the two checks of the module doc, around torch.distributed's functions
-    (wrapped from outside, like common.comm.CommMeter, so nestable with it)."""
+    (wrapped from outside with common.patch.patch_dist, like common.comm.CommMeter, so nestable
+    with it)."""
 
     def __init__(self, device: torch.device):
         self.device, self.calls = device, 0
-        self._originals: list[tuple[object, str, object]] = []
+        self._patched = contextlib.ExitStack()
         self._tracker = HostDefaultTracker()
 
     def check(self, op: str, tensors: list[torch.Tensor]) -> None:
@@ -144,26 +147,18 @@ class CollectiveGuard:
             return fn(*args, **kwargs)
         return guarded
 
-    def _patch(self, module, name: str, fn) -> None:
-        self._originals.append((module, name, getattr(module, name)))
-        setattr(module, name, fn)
-
     def __enter__(self) -> CollectiveGuard:
-        for op in COLLECTIVES:
-            if hasattr(dist, op):
-                wrapped = self._wrap(op, getattr(dist, op))
-                # P2POp checks `op in [c10d.isend, c10d.irecv]`: wrap both namespaces alike
-                for module in (dist, c10d) if op in ("isend", "irecv") else (dist,):
-                    self._patch(module, op, wrapped)
-        self._patch(dist, "destroy_process_group", self._wrap_destroy(dist.destroy_process_group))
+        p2p = ("isend", "irecv")  # P2POp checks `op in [c10d.isend, c10d.irecv]`: wrap both names
+        wrappers = {op: functools.partial(self._wrap, op) for op in COLLECTIVES if op not in p2p}
+        self._patched.enter_context(patch_dist(wrappers | {"destroy_process_group": self._wrap_destroy}))
+        self._patched.enter_context(patch_dist({op: functools.partial(self._wrap, op) for op in p2p},
+                                               also=(c10d,)))
         self._tracker.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self._tracker.__exit__(*exc)
-        for module, name, fn in reversed(self._originals):
-            setattr(module, name, fn)
-        self._originals = []
+        self._patched.close()
 
 
 def _holder_classes() -> list[type]:

@@ -4,11 +4,14 @@ project code can come from: the repository's modules are dropped from sys.module
 install's finder from sys.meta_path, and sys.path keeps the copy, the standard library and
 site-packages. Then a plain training loop of the kind torch's docs and nanoGPT write runs with the
 copied piece, beside a single-process replica (torch's AdamW, LambdaLR, clip_grad_norm_) on the
-whole batch, both in float64; rank 0 prints one line, COPY-RESULT {json}: the largest relative
-difference of every clipping norm and of every final parameter, and the file of every project
-module the run imported.
+whole batch, both in float64. After STEPS steps it checkpoints as a torch user does (a master-only
+`if rank == 0: torch.save(...)`, after the piece's collective consolidation where it has one; a
+file per rank where the piece shards its state), rebuilds the piece from other initial values,
+loads every rank from the files and trains one step more. Rank 0 prints one line, COPY-RESULT
+{json}: the largest relative difference of every clipping norm and of every final parameter, and
+the file of every project module the run imported.
 
-    python tests/copy_loops.py PIECE COPY_DIR WORK_DIR [--zero-accumulates]   (under forkrun)
+    python tests/copy_loops.py PIECE COPY_DIR WORK_DIR   (under forkrun)
 
 The model is common/model.py's LLaMA at `tiny` with 2 layers: the copy's own when the piece's set
 holds it, else the same file copied beside the piece as `user_model` (the user's model).
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -110,27 +114,53 @@ def data_parallel_steps(model, opt, sched, ref, steps, reduce, clip=None, no_syn
                 ref.M.loss_fn(model(micro[:, :-1]), micro[:, 1:]).div(micro_batches).backward()
         reduce()
         norm = clip() if clip else torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=False)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        diffs.append(rel(norm, ref.step(tokens)))
+        diffs.append(finish_step(opt, sched, norm, ref, tokens))
     return diffs
+
+
+def finish_step(opt, sched, norm: torch.Tensor, ref: Reference, tokens: torch.Tensor) -> float:
+    """Step, schedule and zero as a torch user does; the clipping norm's difference from the
+    reference's step on the whole batch."""
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    return rel(norm, ref.step(tokens))
 
 
 def params_diff(named, ref: Reference) -> float:
     return max(rel(p.detach(), ref.params()[n]) for n, p in named)
 
 
-def round_trip(net, opt, sched, rebuild, wrapper=None, **kwargs):
-    """`net`, `opt` and `sched`'s state_dicts loaded into fresh ones as torch's docs resume (build,
-    then load); `rebuild()` makes the new net from other initial values."""
-    saved = net.state_dict(), opt.state_dict(), sched.state_dict()
-    net = rebuild()
-    net.load_state_dict(saved[0])
-    opt, sched = adamw(net.parameters(), wrapper, **kwargs)
-    opt.load_state_dict(saved[1])
-    sched.load_state_dict(saved[2])
-    return net, opt, sched
+# --- the torch user's checkpoints: a master-only save where the state is whole on every rank (or
+# is consolidated first), a file per rank where a piece shards it; every rank loads, then resumes --
+
+def save_on_rank0(args, state) -> dict:
+    """`if rank == 0: torch.save(state(), path)` (state() built on rank 0 alone: a collective in it
+    would hang), then every rank loads the file."""
+    path = Path(args.work) / "checkpoint.pt"
+    if dist.get_rank() == 0:
+        torch.save(state(), path)
+    dist.barrier()
+    return torch.load(path)
+
+
+def save_per_rank(args, state: dict) -> dict:
+    """A piece that shards its state (TP, pipeline stages): each rank saves and loads its own file."""
+    path = Path(args.work) / f"checkpoint-rank{dist.get_rank()}.pt"
+    torch.save(state, path)
+    dist.barrier()
+    return torch.load(path)
+
+
+def whole(net, opt, sched) -> dict:
+    return {"model": net.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()}
+
+
+def resume(saved: dict, net, opt, sched) -> None:
+    """torch's docs' order: build, then load each state dict."""
+    net.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optimizer"])
+    sched.load_state_dict(saved["scheduler"])
 
 
 # --- the pieces ---------------------------------------------------------------------------------
@@ -140,7 +170,10 @@ def ddp(M, model, ref, args):
     net = DDP(model, bucket_cap_mb=0.01)  # a few buckets
     opt, sched = adamw(net.parameters())
     norms = data_parallel_steps(net, opt, sched, ref, range(STEPS), lambda: None, no_sync=net.no_sync)
-    net, opt, sched = round_trip(net, opt, sched, lambda: DDP(fresh(M, model), bucket_cap_mb=0.01))
+    saved = save_on_rank0(args, lambda: whole(net, opt, sched))  # keys "module.…", as torch's
+    net = DDP(fresh(M, model), bucket_cap_mb=0.01)
+    opt, sched = adamw(net.parameters())
+    resume(saved, net, opt, sched)
     norms += data_parallel_steps(net, opt, sched, ref, [STEPS], lambda: None, no_sync=net.no_sync)
     return norms, params_diff(net.module.named_parameters(), ref)
 
@@ -149,7 +182,7 @@ def ring(M, model, ref, args):
     ring_all_reduce = importlib.import_module("ring_allreduce.ring").ring_all_reduce
 
     def reduce() -> None:  # the user's own DP: one flat all-reduce of every gradient, then ÷ n
-        grads = [p.grad for p in model.parameters()]
+        grads = [p.grad for p in net.parameters()]
         flat = torch.cat([g.reshape(-1) for g in grads])
         ring_all_reduce(flat)  # SUM, synchronous (dist.all_reduce's call shape)
         flat /= dist.get_world_size()
@@ -158,32 +191,43 @@ def ring(M, model, ref, args):
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    opt, sched = adamw(model.parameters())
-    norms = data_parallel_steps(model, opt, sched, ref, range(STEPS), reduce)
-    return norms, params_diff(model.named_parameters(), ref)
-
-
-def zero_train(net, opt, sched, ref, steps, stage: int, accumulate: bool) -> list[float]:
-    """ZeroOptimizer's loop: its own clip (torch's at stage 0, where p.grad is the reduced gradient,
-    in the new API); 2 backward passes, the first under no_sync, where the API takes any number."""
-    clip = None if accumulate and stage == 0 else (lambda: opt.clip_grad_norm_(CLIP))
-    return data_parallel_steps(net, opt, sched, ref, steps, lambda: None, clip,
-                               opt.no_sync if accumulate else None, 2 if accumulate else 1)
+    net = model
+    opt, sched = adamw(net.parameters())
+    norms = data_parallel_steps(net, opt, sched, ref, range(STEPS), reduce)
+    saved = save_on_rank0(args, lambda: whole(net, opt, sched))
+    net = fresh(M, model)
+    opt, sched = adamw(net.parameters())
+    resume(saved, net, opt, sched)
+    norms += data_parallel_steps(net, opt, sched, ref, [STEPS], reduce)
+    return norms, params_diff(net.named_parameters(), ref)
 
 
 def zero(M, model, ref, args):
+    """ZeroOptimizer at stages 0 and 2."""
+    runs = [zero_stage(M, model, args, stage) for stage in (0, 2)]
+    return [n for norms, _ in runs for n in norms], max(diff for _, diff in runs)
+
+
+def zero_stage(M, model, args, stage: int):
+    """Its own clip (torch's at stage 0, where p.grad is the reduced gradient), 2 backward passes
+    per step, the first under no_sync; the state consolidated on rank 0 (torch's
+    ZeroRedundancyOptimizer pair) and saved there alone."""
     ZeroOptimizer = importlib.import_module("zero.optimizer").ZeroOptimizer
-    accumulate = args.zero_accumulates  # the plain-keyword API: any number of backward passes
-    norms, diffs = [], []
-    for stage in (0, 2):
-        net, reference = copy.deepcopy(model), Reference(model, M)
-        opt, sched = adamw(net.parameters(), ZeroOptimizer, stage=stage)
-        norms += zero_train(net, opt, sched, reference, range(STEPS), stage, accumulate)
-        # its state_dict is consolidated (every rank the whole): loaded into a fresh one
-        net, opt, sched = round_trip(net, opt, sched, lambda: fresh(M, model), ZeroOptimizer, stage=stage)
-        norms += zero_train(net, opt, sched, reference, [STEPS], stage, accumulate)
-        diffs.append(params_diff(net.named_parameters(), reference))
-    return norms, max(diffs)
+    net, reference = copy.deepcopy(model), Reference(model, M)
+
+    def train(steps):
+        clip = None if stage == 0 else (lambda: opt.clip_grad_norm_(CLIP))
+        return data_parallel_steps(net, opt, sched, reference, steps, lambda: None, clip, opt.no_sync)
+
+    opt, sched = adamw(net.parameters(), ZeroOptimizer, stage=stage)
+    norms = train(range(STEPS))
+    opt.consolidate_state_dict(to=0)  # a collective: every rank
+    saved = save_on_rank0(args, lambda: whole(net, opt, sched))
+    net = fresh(M, model)
+    opt, sched = adamw(net.parameters(), ZeroOptimizer, stage=stage)
+    resume(saved, net, opt, sched)
+    norms += train([STEPS])
+    return norms, params_diff(net.named_parameters(), reference)
 
 
 def fsdp(M, model, ref, args):
@@ -193,135 +237,23 @@ def fsdp(M, model, ref, args):
     def wrap(net):
         return FSDP(net, auto_wrap_policy=ModuleWrapPolicy({M.TransformerBlock}))
 
+    def train(steps):
+        return data_parallel_steps(net, opt, sched, ref, steps, lambda: None,
+                                   lambda: net.clip_grad_norm_(CLIP), net.no_sync)
+
     net = wrap(model)
     opt, sched = adamw(net.parameters())  # the flat shards
-    norms = data_parallel_steps(net, opt, sched, ref, range(STEPS), lambda: None,
-                                lambda: net.clip_grad_norm_(CLIP), net.no_sync)
-    net, opt, sched = round_trip(net, opt, sched, lambda: wrap(fresh(M, model)))  # full tensors; shards
-    norms += data_parallel_steps(net, opt, sched, ref, [STEPS], lambda: None,
-                                 lambda: net.clip_grad_norm_(CLIP), net.no_sync)
+    norms = train(range(STEPS))
+    state, optim_state = net.state_dict(), FSDP.optim_state_dict(net, opt)  # collectives: every rank
+    saved = save_on_rank0(args, lambda: {"model": state, "optimizer": optim_state,
+                                         "scheduler": sched.state_dict()})
+    net = wrap(fresh(M, model))
+    opt, sched = adamw(net.parameters())
+    net.load_state_dict(saved["model"])
+    opt.load_state_dict(FSDP.optim_state_dict_to_load(net, opt, saved["optimizer"]))
+    sched.load_state_dict(saved["scheduler"])
+    norms += train([STEPS])
     return norms, params_diff(net.state_dict().items(), ref)
-
-
-def tensor_parallel(M, model, ref, args):
-    tp = importlib.import_module("tensor_parallel.parallelize")
-    gather_full = importlib.import_module("tensor_parallel.sharding").gather_full
-    clip_grads_by_global_norm_ = importlib.import_module("common.clip").clip_grads_by_global_norm_
-    group = dist.group.WORLD
-    specs = tp.parallelize_llama(model, group, sequence_parallel=True)  # every rank: the same data
-    opt, sched = adamw(model.parameters())
-    counted = [p for n, p in model.named_parameters() if specs[n].counted_here]  # each piece once
-    norms = []
-    for step in range(STEPS):
-        tokens = batch(step, 4, model.cfg.vocab_size)
-        for micro in tokens.split(2):  # gradient accumulation: 2 micro-batches
-            tp.vocab_parallel_loss(model.output, model(micro[:, :-1]), micro[:, 1:]).div(2).backward()
-        norm = clip_grads_by_global_norm_([p.grad for p in model.parameters()], CLIP,
-                               counted=[p.grad for p in counted], groups=(group,))
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        norms.append(rel(norm, ref.step(tokens)))
-    return norms, params_diff(gather_full(dict(model.named_parameters()), specs).items(), ref)
-
-
-def ring_attention(M, model, ref, args):
-    cp = importlib.import_module("tensor_parallel.context_parallel")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cp.apply_context_parallel(model, dist.group.WORLD, variant="ring", layout="zigzag")
-    positions = cp.sequence_positions(SEQ, world, rank)
-    opt, sched = adamw(model.parameters())
-    norms = []
-    for step in range(STEPS):
-        tokens = batch(step, 4, model.cfg.vocab_size)
-        for micro in tokens.split(2):  # this rank's zig-zag chunks of every row's tokens
-            x, y = (cp.shard_sequence(t, world, rank) for t in (micro[:, :-1], micro[:, 1:]))
-            M.loss_fn(model(x, positions), y).div(2).backward()
-        for p in model.parameters():  # the user's DP over the CP ranks: the mean of equal shares
-            dist.all_reduce(p.grad)
-            p.grad /= world
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=False)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        norms.append(rel(norm, ref.step(tokens)))
-    return norms, params_diff(model.named_parameters(), ref)
-
-
-class UserStage(torch.nn.Module):
-    """The user's own cut of their LLaMA into pipeline stages: the embedding, a run of blocks, the
-    head; forward(x, positions) as the executor calls it."""
-
-    def __init__(self, M, model, layers: range, first: bool, last: bool):
-        super().__init__()
-        self.M, self.cfg = M, model.cfg
-        self.embed = model.tok_embeddings if first else None
-        self.layers = torch.nn.ModuleList(model.layers[i] for i in layers)
-        self.head = torch.nn.Sequential(model.norm, model.output) if last else None
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x) if self.embed is not None else x
-        cos, sin = self.M.rope_cos_sin(self.cfg, positions, h.dtype)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
-        return self.head(h) if self.head is not None else h
-
-
-def pipeline(M, model, ref, args):
-    PipelineExecutor = importlib.import_module("pipeline.executor").PipelineExecutor
-    make_schedule = importlib.import_module("pipeline.schedules").make_schedule
-    clip_grads_by_global_norm_ = importlib.import_module("common.clip").clip_grads_by_global_norm_
-    rank, p, m = dist.get_rank(), dist.get_world_size(), 2
-    names = {id(q): n for n, q in model.named_parameters()}
-    per = model.cfg.n_layers // p
-    stage = UserStage(M, model, range(rank * per, (rank + 1) * per), rank == 0, rank == p - 1)
-    executor = PipelineExecutor(make_schedule("1f1b", p, m), rank, [stage], M.loss_fn,
-                                (1, SEQ, model.cfg.dim), torch.float64, torch.device("cpu"))
-    opt, sched = adamw(stage.parameters())
-    norms = []
-    for step in range(STEPS):
-        tokens = batch(step, m, model.cfg.vocab_size)
-        executor.run(list(tokens[:, :-1].split(1)), list(tokens[:, 1:].split(1)), [torch.arange(SEQ)] * m)
-        norm = clip_grads_by_global_norm_([q.grad for q in stage.parameters()], CLIP,
-                                            groups=(dist.group.WORLD,))
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        norms.append(rel(norm, ref.step(tokens)))
-    return norms, params_diff([(names[id(q)], q) for q in stage.parameters()], ref)
-
-
-def parallel_3d(M, model, ref, args):
-    mod = {n: importlib.import_module(n) for n in ("common.mesh", "parallel3d.parallelize",
-                                                  "parallel3d.shards", "parallel3d.clip",
-                                                  "pipeline.executor", "pipeline.schedules",
-                                                  "tensor_parallel.parallelize")}
-    P3, device, micro = mod["parallel3d.parallelize"], torch.device("cpu"), 1
-    mesh = mod["common.mesh"].build_mesh(mod["common.mesh"].mesh_shape(4, tp=2, pp=2))  # dp = 1
-    config = P3.Parallel3DConfig(schedule="1f1b", sequence_parallel=True)
-    meta = M.build_model(model.cfg, dtype=torch.float64, device="meta")
-    chunks, tp_specs = P3.parallelize_3d(meta, mesh, config, device)
-    shards = mod["parallel3d.shards"].shard_map(chunks, tp_specs, mesh)
-    head, m = chunks[-1].module.output, 2
-
-    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return mod["tensor_parallel.parallelize"].vocab_parallel_loss(head, logits, targets)
-
-    executor = mod["pipeline.executor"].PipelineExecutor(
-        mod["pipeline.schedules"].make_schedule("1f1b", mesh.pp, m), mesh.pp_rank, chunks, loss,
-        P3.activation_shape(model.cfg, mesh, config, micro, SEQ), torch.float64, device, mesh.pp_group)
-    opt, sched = adamw([q for c in chunks for q in c.parameters()])
-    norms = []
-    for step in range(STEPS):
-        tokens = batch(step, m * micro, model.cfg.vocab_size)
-        executor.run(*zip(*(P3.rank_inputs(t, mesh) for t in tokens.split(micro)), strict=True))
-        norm = mod["parallel3d.clip"].clip_grad_norm_3d(shards, CLIP)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        norms.append(rel(norm, ref.step(tokens)))
-    final = mod["parallel3d.shards"].gather_full(shards, lambda u: u.flat_param)  # rank 0's
-    return norms, params_diff(final.items(), ref) if final else 0.0
 
 
 def checkpoint(M, model, ref, args):
@@ -357,9 +289,18 @@ def checkpoint(M, model, ref, args):
     return norms, params_diff(model.named_parameters(), ref)
 
 
+def sharded_pieces() -> dict:
+    """The pieces that shard the model (TP, ring attention, pipeline, parallelize_3d), in
+    tests/copy_loops_sharded.py, which takes this script's helpers from `copy_loops`."""
+    sys.modules["copy_loops"] = sys.modules[__name__]
+    spec = importlib.util.spec_from_file_location("copy_loops_sharded", Path(__file__).with_name(
+        "copy_loops_sharded.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.PIECES
+
+
 PIECES = {"DDP": ddp, "ring all-reduce": ring, "ZeroOptimizer": zero, "FSDP": fsdp,
-          "TP layers and plan": tensor_parallel, "ring attention": ring_attention,
-          "pipeline schedule and executor": pipeline, "parallelize_3d": parallel_3d,
           "checkpoint save/load": checkpoint}
 
 
@@ -367,10 +308,10 @@ def main() -> None:
     import argparse
 
     p = argparse.ArgumentParser()
-    p.add_argument("piece", choices=PIECES)
+    pieces = {**PIECES, **sharded_pieces()}
+    p.add_argument("piece", choices=pieces)
     p.add_argument("copy")
     p.add_argument("work")
-    p.add_argument("--zero-accumulates", action="store_true")
     args = p.parse_args()
     isolate(args.copy)
     torch.set_num_threads(1)
@@ -379,7 +320,7 @@ def main() -> None:
         M = importlib.import_module("common.model" if (Path(args.copy) / "common/model.py").exists()
                                     else "user_model")
         model = M.build_model(M.get_config("tiny", n_layers=2), seed=0, dtype=torch.float64)
-        norms, params = PIECES[args.piece](M, model, Reference(model, M), args)
+        norms, params = pieces[args.piece](M, model, Reference(model, M), args)
         worst = torch.tensor([max(norms), params], dtype=torch.float64)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         if dist.get_rank() == 0:

@@ -23,6 +23,7 @@ from common.reference import (
     precision_key,
     relative_diff,
 )
+from common.run import Run
 from common.training import Strategy, loss_value, rank_micro_batches
 
 
@@ -228,4 +229,10 @@ def spec_args(spec: TrainSpec, **chapter_flags) -> argparse.Namespace:
         lr=spec.lr, clip_grad=spec.clip_grad, mixed_precision=spec.mixed_precision,
         global_batch=spec.global_batch, micro_batch=spec.micro_batch, grad_accum=spec.grad_accum,
         seq_len=spec.seq_len, steps=spec.steps, data="synthetic", check=False, report=None,
-        log_every=0, **chapter_flags)
+        log_every=0, measure_activations=None, profile=None, observed_comm=False, **chapter_flags)
+
+
+def spec_run(spec: TrainSpec, validate: Callable[[argparse.Namespace, int], Run], **chapter_flags) -> Run:
+    """The run a chapter's `validate` resolves from this spec's namespace (`spec_args`): what its
+    strategy is built from, as in the demo."""
+    return validate(spec_args(spec, **chapter_flags), spec.world_size)

@@ -158,7 +158,7 @@ def saved_or_resumed(root: str, mesh: tuple[int, int, int, int], resume: bool) -
     from parallel3d.checkpoint.trainer import load_trainer_state, save_trainer_state
 
     strategy, spec = build_cp(mesh, steps=3, root=root)
-    plan = strategy.config.checkpoint
+    plan = strategy.run.options.checkpoint
     state, ident = strategy.checkpoints.state, {"data": plan.data, "config": plan.config}
     start = load_trainer_state(state, root, **ident) if resume else 0
     if not resume:

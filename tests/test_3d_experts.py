@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from common.dist import init_distributed
 from common.model import LlamaConfig, get_config
 from common.moe import moe_layers
-from common.training import train
+from common.training import build_and_train
 from fsdp.fully_sharded import FullyShardedDataParallel
 from parallel3d import experts
 from parallel3d import train as train3d
@@ -88,14 +88,14 @@ def test_moe_3d_trainer_equals_single_device_float64(pools, drawn):
 # --- --check and the report: HSDP × EP × TP on 8 ranks, every group's bytes beside its formula ---
 
 def train_cli(argv: list[str]) -> dict:
-    args = train3d.parse_args(argv)
-    config = train3d.validate(args, dist.get_world_size())
-    ctx = init_distributed()
-    return train(args, ctx, train3d.build(args, ctx, config), config, 7)
+    """train.py's path in the rank pool: parse_args, validate, common.training.build_and_train."""
+    run = train3d.validate(train3d.parse_args(argv), dist.get_world_size())
+    return build_and_train(run, init_distributed(), train3d.build, 7)
 
 
 def test_hsdp_ep_tp_check_passes_and_every_group_matches_its_formula(pools):
     argv = ["--model", "tiny-moe", "--dp-replicate", "2", "--dp-shard", "2", "--tp", "2", "--ep", "2",
+            "--sequence-parallel",
             "--dtype", "float64", "--steps", "2", "--global-batch", "8", "--grad-accum", "2",
             "--seq-len", "8", "--clip-grad", "0.05", "--check", "--data", "synthetic", "--log-every", "0"]
     reports = pools.run(8, train_cli, argv)
@@ -110,6 +110,11 @@ def test_hsdp_ep_tp_check_passes_and_every_group_matches_its_formula(pools):
         assert r["comm_bytes_per_rank"] == pytest.approx(r["comm_bytes_formula"], rel=1e-12)
         sent = r["comm"]["all_to_all_single"]["bytes"]
         assert sent == pytest.approx(r["ep_all_to_all_bytes_formula"], rel=1e-12) and sent > 0
+    # each step as slow as its worst dispatch (a MoE layer's all-to-all, one micro-batch) on any EP group
+    for step, imbalance in enumerate(reports[0]["ep_load_imbalance"]):
+        worst = max(max(rows) / (sum(rows) / 2) for r in reports for rows in r["ep_rows_per_dispatch"][step])
+        assert len(reports[0]["ep_rows_per_dispatch"][step]) == 7 * 2  # MoE layers × micro-batches
+        assert imbalance == pytest.approx(worst, rel=1e-12)
 
 
 # --- negative controls: the three classic bugs of expert parallelism ---------------------------
@@ -118,9 +123,9 @@ class ExpertGradientsDividedByTheirGroup(Parallel3DStrategy):
     """The experts' FSDP units keep FSDP's divisor, their group's dp·cp/ep ranks, not dp·cp:
     expert gradients ep× too large (torchtitan's set_gradient_divide_factor forgotten)."""
 
-    def __init__(self, config, ctx):
+    def __init__(self, run, ctx):
         with mock.patch.object(FullyShardedDataParallel, "set_gradient_divide_factor", lambda self, f: None):
-            super().__init__(config, ctx)
+            super().__init__(run, ctx)
 
 
 def counted_by_the_dense_rule(shards: ShardMap, mesh) -> ShardMap:
@@ -145,17 +150,17 @@ class ExpertSliceByGlobalRank(Parallel3DStrategy):
     """Each rank draws the experts of slice (global rank mod ep), not of its EP rank: under TP,
     rank 1 (tp 1, ep 0) holds slice 1 while the all-to-all sends it slice 0's tokens."""
 
-    def __init__(self, config, ctx):
+    def __init__(self, run, ctx):
         with mock.patch.object(train3d, "parallelize_moe_3d", sliced_by_global_rank):
-            super().__init__(config, ctx)
+            super().__init__(run, ctx)
 
 
 class AuxLossOnEveryTPRank(Parallel3DStrategy):
     """Every TP rank backpropagates the whole aux loss (05's TensorParallelMoE without its 1/t):
     after the router's TP sums it counts t times."""
 
-    def __init__(self, config, ctx):
-        super().__init__(config, ctx)
+    def __init__(self, run, ctx):
+        super().__init__(run, ctx)
         for layer in moe_layers(self.model):
             layer.tp = 1
 

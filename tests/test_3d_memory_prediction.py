@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from common.dist import init_distributed
 from common.model import CONFIGS
-from common.training import run
+from common.training import build_and_train
 from parallel3d import train as train3d
 from parallel3d.memory_model import Layout, activation_bytes, stage_units, state_bytes
 
@@ -16,10 +16,9 @@ SEQ, GLOBAL_BATCH = 32, 8  # the tiny model, float32, AdamW; one micro-batch of 
 
 
 def train_cli(argv: list[str]) -> dict:
-    """train.py's path in the rank pool: parse_args, validate, common.training.run."""
-    args = train3d.parse_args(argv)
-    return run(args, init_distributed(), train3d.validate(args, dist.get_world_size()),
-               train3d.build, 7)
+    """train.py's path in the rank pool: parse_args, validate, common.training.build_and_train."""
+    run = train3d.validate(train3d.parse_args(argv), dist.get_world_size())
+    return build_and_train(run, init_distributed(), train3d.build, 7)
 
 
 def predicted(layout: Layout, microbatches: int, stage: int) -> dict[str, float]:

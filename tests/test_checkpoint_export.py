@@ -22,7 +22,7 @@ from parallel3d.checkpoint.export import (
     halves_to_interleaved,
     hf_config,
     interleaved_to_halves,
-    load_state_dict,
+    load_weights,
     main,
 )
 from parallel3d.checkpoint.save import Shard, save_checkpoint
@@ -66,7 +66,7 @@ def test_export_consolidates_a_sharded_checkpoint_and_round_trips_through_hf(tmp
     state = {k: v.detach() for k, v in build_model(CFG, seed=3, dtype=torch.float64).state_dict().items()}
     assert run_forked(4, _save_tp_fsdp, str(tmp_path / "ckpt"), state) == [0, 0, 0, 0]
     assert main([str(tmp_path / "ckpt"), "--out", str(tmp_path / "model.pt")]) == 0
-    plain = load_state_dict(tmp_path / "model.pt")
+    plain = load_weights(tmp_path / "model.pt")
     assert plain.keys() == state.keys() and all(torch.equal(plain[k], state[k]) for k in state)
 
     assert main([str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"), "--hf"]) == 0
@@ -74,7 +74,7 @@ def test_export_consolidates_a_sharded_checkpoint_and_round_trips_through_hf(tmp
     assert (hf_cfg["hidden_size"], hf_cfg["num_key_value_heads"], hf_cfg["intermediate_size"]) == \
         (CFG.dim, CFG.n_kv_heads, CFG.hidden_dim)
     assert main([str(tmp_path / "hf"), "--from-hf", "--out", str(tmp_path / "back.pt")]) == 0
-    back = load_state_dict(tmp_path / "back.pt")
+    back = load_weights(tmp_path / "back.pt")
     assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
 
 

@@ -23,7 +23,7 @@ from common.cli import ConfigError
 from common.data import SyntheticTokens
 from common.dist import init_distributed
 from common.model import LlamaConfig
-from common.training import rank_micro_batches, run
+from common.training import build_and_train, rank_micro_batches
 from parallel3d import train as train3d
 from parallel3d.checkpoint.load import read_full
 from parallel3d.checkpoint.save import CheckpointError
@@ -202,19 +202,17 @@ CLI = ["--dp", "1", "--pp", "2", "--tp", "2", "--model", "tiny", "--dtype", "flo
 class ForgetsTheSchedule(train3d.Parallel3DStrategy):
     """The broken variant: resumes weights and AdamW state but starts a fresh LR schedule."""
 
-    def __init__(self, config, ctx):
-        super().__init__(config, ctx)  # resumes
-        fresh = warmup_cosine_scheduler(self.optimizer, config.steps, max(1, config.steps // 10),
-                                        config.min_lr_ratio)
+    def __init__(self, run, ctx):
+        super().__init__(run, ctx)  # resumes
+        fresh = warmup_cosine_scheduler(self.optimizer, run.steps, max(1, run.steps // 10),
+                                        run.options.min_lr_ratio)
         self.scheduler = self.checkpoints.state.scheduler = fresh
 
 
 def train_cli(argv: list[str], broken: bool = False) -> dict:
-    """train.py's path in the rank pool: parse_args, validate, common.training.run."""
-    args = train3d.parse_args(argv)
-    config = train3d.validate(args, dist.get_world_size())
-    build = (lambda a, c, cfg: ForgetsTheSchedule(cfg, c)) if broken else train3d.build
-    return run(args, init_distributed(), config, build, 7)
+    """train.py's path in the rank pool: parse_args, validate, common.training.build_and_train."""
+    run = train3d.validate(train3d.parse_args(argv), dist.get_world_size())
+    return build_and_train(run, init_distributed(), ForgetsTheSchedule if broken else train3d.build, 7)
 
 
 def interrupted_at(src: Path, step: int, dst: Path) -> Path:

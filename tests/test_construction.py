@@ -24,6 +24,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -85,8 +86,9 @@ def fsdp_peaks() -> dict[str, int]:
     ctx = init_distributed()
     args = fsdp_train.parse_args(["--dtype", "float32"])
     args.cfg = CFG
-    return measure(lambda: fsdp_train.FSDPStrategy(args, ctx),
-                   lambda: fsdp_train.wrap_llama(build_model(CFG, 0, torch.float32), args),
+    run = fsdp_train.validate(args, ctx.world_size)
+    return measure(lambda: fsdp_train.FSDPStrategy(run, ctx),
+                   lambda: fsdp_train.wrap_llama(build_model(CFG, 0, torch.float32), run),
                    max(UNIT, LARGEST * (8 + 4)))
 
 
@@ -108,8 +110,8 @@ def fsdp_param_init_fn_peaks() -> dict:
         return FullyShardedDataParallel(meta, auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
                                         param_init_fn=param_init_fn)
 
-    args = fsdp_train.parse_args(["--dtype", "float32"])
-    peaks = measure(wrap_meta, lambda: fsdp_train.wrap_llama(build_model(CFG, 0, torch.float32), args),
+    run = fsdp_train.validate(fsdp_train.parse_args(["--dtype", "float32"]), dist.get_world_size())
+    peaks = measure(wrap_meta, lambda: fsdp_train.wrap_llama(build_model(CFG, 0, torch.float32), run),
                     UNIT + LARGEST * 8)
     same = relative_diff(wrap_meta().state_dict(), build_model(CFG, 0, torch.float32).state_dict()) == 0
     return {**peaks, "same": same}
@@ -120,24 +122,25 @@ def pipeline_peaks() -> dict[str, int]:
     args = pipeline_train.parse_args(["--dtype", "float32", "--microbatches", "2",
                                       "--global-batch", "2", "--seq-len", "4"])
     args.cfg = CFG
-    return measure(lambda: pipeline_train.PipelineStrategy(args, ctx),
+    run = pipeline_train.validate(args, ctx.world_size)
+    return measure(lambda: pipeline_train.PipelineStrategy(run, ctx),
                    lambda: split_model(build_model(CFG, 0, torch.float32), 2, 1, ctx.rank),
                    max(UNIT, LARGEST * (8 + 4)))
 
 
 def zero3_peaks() -> dict[str, int]:
     ctx = init_distributed()
-    args = zero_train.parse_args(["--dtype", "float32", "--stage", "3", "--global-batch", "2",
+    args = zero_train.parse_args(["--dtype", "float32", "--stage", "3", "--global-batch", str(ctx.world_size),
                                   "--param-persistence-threshold", "0"])  # every parameter sharded
     args.cfg = CFG
-    run = zero_train.RunConfig(zero_train.resolve_config(args), global_batch=2, micro_batch=1, grad_accum=1)
+    run = zero_train.validate(args, ctx.world_size)
 
     def old() -> None:
         model = build_model(CFG, 0, torch.float32)
-        ZeroEngine(model, torch.optim.SGD, run.zero,
+        ZeroEngine(model, torch.optim.SGD, run.options,
                               unit_policy=zero_train.ZeroStrategy.unit_policy)
 
-    return measure(lambda: zero_train.ZeroStrategy(args, ctx, run), old, 2 * UNIT + 8 * LARGEST)
+    return measure(lambda: zero_train.ZeroStrategy(run, ctx), old, 2 * UNIT + 8 * LARGEST)
 
 
 def check(results: list[dict[str, int]], parts: int = 1) -> None:

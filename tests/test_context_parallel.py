@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from common.cli import BatchLayout
 from common.comm import CommMeter
 from common.dist import init_distributed
 from common.memory import ActivationMeter
@@ -39,7 +38,7 @@ from tensor_parallel import (
 from tensor_parallel import context_parallel as cpmod
 from tensor_parallel import train as tp_train
 from tensor_parallel.formulas import cp_activation_bytes, cp_comm_bytes
-from tests.equivalence import TrainSpec, check_strategy, spec_args
+from tests.equivalence import TrainSpec, check_strategy, spec_run
 from tests.harness import RankError
 
 # --- layouts (pure) -------------------------------------------------------------------------------
@@ -258,9 +257,8 @@ def test_recorded_ring_groups_are_the_plan_and_bytes_the_formula(pools, cp):
 
 
 def cp_strategy(spec: TrainSpec, tp: int, cp: int, sequence_parallel: bool):
-    args = spec_args(spec, tp=tp, cp=cp, sequence_parallel=sequence_parallel)
-    return tp_train.TensorParallelStrategy(args, init_distributed(),
-                                           BatchLayout(spec.micro_batch, spec.grad_accum))
+    run = spec_run(spec, tp_train.validate, tp=tp, cp=cp, ep=None, sequence_parallel=sequence_parallel)
+    return tp_train.TensorParallelStrategy(run, init_distributed())
 
 
 def test_cp_2_by_dp_2_training_equals_single_device_float64(pools):
@@ -289,9 +287,9 @@ def test_bad_cp_input_fails_on_every_rank_before_any_collective(pools, argv, mes
 
 def train_cli(argv: list[str]) -> dict:
     args = tp_train.parse_args(argv)
-    layout = tp_train.validate(args, dist.get_world_size())
+    run = tp_train.validate(args, dist.get_world_size())
     ctx = init_distributed()
-    return train(args, ctx, tp_train.build(args, ctx, layout), layout, 5)
+    return train(run, ctx, tp_train.build(run, ctx), 5)
 
 
 def test_train_tp_2_cp_2_sp_check_passes_and_report_matches_formulas(pools):

@@ -25,14 +25,8 @@ from common.forkrun import forkrun
 
 LOOPS = Path(__file__).with_name("copy_loops.py")
 WORLD = {"parallelize_3d": 4}  # tp 2 × pp 2; every other piece on 2 ranks
-# MARKER (issue 24, ZeroOptimizer's new API): the plain-keyword ZeroOptimizer of branch h-zero
-# takes any number of backward passes before step() (no_sync too) and leaves p.grad a view of the
-# reduced gradient at stage 0, so torch's clip_grad_norm_ applies there. Until it is merged the
-# copy test trains ZeroOptimizer with one backward per step and opt.clip_grad_norm_ (what the
-# current API takes); after the merge set True, and in common/copy_sets.py its set loses
-# 03_zero/config.py and gains common/collectives.py (then `python -m common.copy_sets --write`).
-ZERO_ACCUMULATES = True
 TOLERANCE = 1e-10
+STEPS = 3  # 2 steps, a checkpoint, a fresh piece loaded from it, 1 step more
 
 
 def test_core_files_import_only_the_stdlib_torch_their_chapter_and_the_kernel():
@@ -63,6 +57,22 @@ def test_each_copy_set_is_the_import_closure_of_its_entries():
             f"{copy_sets.closure(piece.entries)}: update COPY_SETS in common/copy_sets.py")
 
 
+MOE_PIECES: tuple[str, ...] = ()  # pieces that exist for a MoE model (none is a copy set yet)
+
+
+def test_moe_stays_out_of_the_loop_the_executor_and_every_dense_copy():
+    """The shared loop and the pipeline executor tell a module with its own loss term its scale
+    through the module's `aux_loss_scale`, without importing common/moe.py; common/model.py imports
+    it only to build a MoE block; so no dense piece's copy carries it (parallelize_3d's names it
+    for a MoE model). Re-adding the import anywhere on those paths turns this red."""
+    for path in ("common/training.py", "06_pipeline/executor.py", "common/model.py"):
+        assert "common/moe.py" not in copy_sets.closure((path,)), f"{path} imports common/moe.py"
+    for name, piece in COPY_SETS.items():
+        if name not in MOE_PIECES:
+            assert "common/moe.py" not in piece.files + copy_sets.closure(piece.entries), name
+    assert copy_sets.optional_files(COPY_SETS["parallelize_3d"]) == ("common/moe.py",)
+
+
 def test_each_readme_gives_its_pieces_copy_sets():
     for readme in copy_sets.readmes():
         section = copy_sets.current_section((ROOT / readme).read_text(encoding="utf-8")) or ""
@@ -73,8 +83,8 @@ def test_each_readme_gives_its_pieces_copy_sets():
 
 def lay_out(files: tuple[str, ...], root: Path) -> Path:
     """`files` copied into `root` under their package names, an empty __init__.py in each
-    package folder; the user's model (common/model.py as `user_model`, and the common/moe.py it
-    imports) beside them when the set does not hold it."""
+    package folder; the user's (dense) model, common/model.py as `user_model`, beside them when
+    the set does not hold it (a dense model never imports common/moe.py)."""
     for f in files:
         dest = root / copy_sets.copy_path(f)
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -82,19 +92,14 @@ def lay_out(files: tuple[str, ...], root: Path) -> Path:
         for folder in dest.relative_to(root).parents:
             if folder != Path("."):
                 (root / folder / "__init__.py").touch()
-    if "common/model.py" not in files:  # the user's model, with the MoE layer it imports
+    if "common/model.py" not in files:  # the user's model
         shutil.copy(ROOT / "common/model.py", root / "user_model.py")
-        (root / "common").mkdir(exist_ok=True)
-        (root / "common/__init__.py").touch()
-        if not (root / "common/moe.py").exists():
-            shutil.copy(ROOT / "common/moe.py", root / "common/moe.py")
     return root
 
 
 def run_copy(piece: str, files: tuple[str, ...], tmp_path: Path):
     root = lay_out(files, tmp_path / "copy")
-    flags = ["--zero-accumulates"] if ZERO_ACCUMULATES else []
-    return root, forkrun(str(LOOPS), piece, str(root), str(tmp_path), *flags, nproc=WORLD.get(piece, 2),
+    return root, forkrun(str(LOOPS), piece, str(root), str(tmp_path), nproc=WORLD.get(piece, 2),
                          cwd=tmp_path, env={"COPY_PACKAGES": ",".join(copy_sets.PACKAGES)}, timeout_s=240)
 
 
@@ -108,7 +113,7 @@ def test_a_copy_of_the_set_alone_trains_like_one_device(piece, tmp_path):
     assert not outside, f"{piece} imported project code from outside its copy: {outside}"
     expected = {str(root / copy_sets.copy_path(f)) for f in COPY_SETS[piece].files}
     assert expected <= set(report["files"]), sorted(expected - set(report["files"]))
-    assert report["steps"] >= 2 and report["norms"] <= TOLERANCE and report["params"] <= TOLERANCE, report
+    assert report["steps"] >= STEPS and report["norms"] <= TOLERANCE and report["params"] <= TOLERANCE, report
 
 
 def test_a_copy_missing_a_file_fails_instead_of_reaching_the_repository(tmp_path):

@@ -22,8 +22,10 @@ from common.data import local_micro_batches, split_inputs_targets
 from common.dist import init_distributed
 from common.forkrun import torchrun_forked
 from common.model import build_model, get_config, loss_fn
+from common.patch import patch_dist
 from common.reference import TOLERANCE
-from common.training import run
+from common.run import Run
+from common.training import build_and_train
 from data_parallel import DistributedDataParallel, assign_buckets
 from data_parallel import train as dp_train
 from tests.data_parallel_runs import SumNotAverageDDP, run_data_parallel, wrap
@@ -129,20 +131,19 @@ def record_overlap(bucket_cap_mb: float) -> list[str]:
     """Order of events in one backward: bucket launches vs the last gradient (the embedding's)."""
     model = build_model(get_config("tiny", n_layers=4), seed=0)
     dp = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
-    events, all_reduce = [], dist.all_reduce
+    events = []
 
-    def launching(*args, **kwargs):
-        events.append("launch")
-        return all_reduce(*args, **kwargs)
+    def launching(all_reduce):
+        def launch(*args, **kwargs):
+            events.append("launch")
+            return all_reduce(*args, **kwargs)
+        return launch
 
     model.tok_embeddings.weight.register_post_accumulate_grad_hook(lambda p: events.append("last grad"))
-    dist.all_reduce = launching
-    try:
+    with patch_dist({"all_reduce": launching}):
         tokens = torch.randint(0, 256, (2, 9))
         loss_fn(dp(tokens[:, :-1]), tokens[:, 1:]).backward()
         dp.finish()
-    finally:
-        dist.all_reduce = all_reduce
     return events
 
 
@@ -188,7 +189,7 @@ def test_batch_layout_rejects_bad_batches_naming_values_and_fix():
         batch_layout(16, 4, 2, 3)
 
 
-def validate_argv(argv: list[str]) -> tuple[int, int]:
+def validate_argv(argv: list[str]) -> Run:
     return dp_train.validate(dp_train.parse_args(argv), dist.get_world_size())
 
 
@@ -211,14 +212,14 @@ def test_ddp_rejects_a_negative_bucket_cap(pools):
         pools.run(1, DistributedDataParallel, nn.Linear(2, 2), bucket_cap_mb=-1)
 
 
-def build_broken(args, ctx, layout) -> dp_train.DataParallelStrategy:
-    return dp_train.DataParallelStrategy(args, ctx, lambda model, a: SumNotAverageDDP(model, a.bucket_mb))
+def build_broken(run: Run, ctx) -> dp_train.DataParallelStrategy:
+    return dp_train.DataParallelStrategy(run, ctx,
+                                         lambda model, r: SumNotAverageDDP(model, r.options.bucket_mb))
 
 
 def train_cli(argv: list[str], broken: bool = False) -> dict:
-    args = dp_train.parse_args([*argv, "--log-every", "0"])
-    layout = dp_train.validate(args, dist.get_world_size())
-    return run(args, init_distributed(), layout, build_broken if broken else dp_train.build, 1)
+    run = dp_train.validate(dp_train.parse_args([*argv, "--log-every", "0"]), dist.get_world_size())
+    return build_and_train(run, init_distributed(), build_broken if broken else dp_train.build, 1)
 
 
 CLI_ARGV = ["--model", "tiny", "--dtype", "float64", "--steps", "2", "--global-batch", "8",
@@ -269,3 +270,18 @@ def test_launch_without_torchrun_is_a_clear_error():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "torchrun --standalone --nproc-per-node N" in proc.stderr
+
+
+def test_the_lessons_overlap_numbers_are_overlap_tokens():
+    """01's README and overlap.md quote the tokens per rank the overlap condition needs, and ρ at
+    16,384 tokens: each must be what `overlap_tokens` computes (H100 backward at half of 989
+    TFLOP/s, 8 ranks; NVLink 360 GB/s, InfiniBand 45 GB/s; bf16 gradients and fp32 buckets)."""
+    lesson = (REPO / "01_data_parallel" / "README.md").read_text(encoding="utf-8")
+    page = (REPO / "01_data_parallel" / "overlap.md").read_text(encoding="utf-8")
+    flops, tokens = 0.5 * 989e12, 4 * 4096
+    for busbw, grad_bytes in ((360e9, 2), (360e9, 4), (45e9, 2), (45e9, 4)):
+        need = dp_train.overlap_tokens(8, grad_bytes, flops, busbw)
+        assert f"| {need:,.0f} | {need / tokens:.2f} |" in page, (
+            f"overlap.md's row for {busbw:.0e} B/s, b = {grad_bytes}")
+        if busbw == 45e9:
+            assert f"{need:,.0f}" in lesson

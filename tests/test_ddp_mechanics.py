@@ -37,6 +37,7 @@ from common.model import build_model, get_config, loss_fn
 from common.reference import TOLERANCE, make_optimizer
 from data_parallel import DistributedDataParallel, NaiveDataParallel, broadcast_module
 from data_parallel.train import STRATEGIES, DataParallelStrategy
+from data_parallel.train import validate as dp_validate
 from ring_allreduce.agreement import CompletedWork
 from tests.equivalence import (
     RunRecord,
@@ -48,7 +49,7 @@ from tests.equivalence import (
     differences,
     reference_record,
     run_strategy,
-    spec_args,
+    spec_run,
     with_spec,
 )
 from tests.harness import RankError
@@ -429,8 +430,8 @@ def test_broadcast_module_copies_parameters_and_buffers_from_the_first_rank(pool
 class ScaledGradient(DataParallelStrategy):
     """Toy broken strategy: the output head's averaged gradient is multiplied by `factor`."""
 
-    def __init__(self, args, ctx, wrap, factor: float):
-        super().__init__(args, ctx, wrap)
+    def __init__(self, run, ctx, wrap, factor: float):
+        super().__init__(run, ctx, wrap)
         self.factor = factor
 
     def forward_backward(self, micro_batches):
@@ -441,7 +442,7 @@ class ScaledGradient(DataParallelStrategy):
 
 
 def scaled_gradient_strategy(spec: TrainSpec, factor: float):
-    return ScaledGradient(spec_args(spec, strategy="ddp", bucket_mb=25.0), init_distributed(),
+    return ScaledGradient(spec_run(spec, dp_validate, strategy="ddp", bucket_mb=25.0), init_distributed(),
                           STRATEGIES["ddp"], factor)
 
 
@@ -454,9 +455,10 @@ def all_reduce_through_float32(tensor, op=dist.ReduceOp.SUM, group=None, async_o
 
 
 def float32_wire_strategy(spec: TrainSpec):
-    return DataParallelStrategy(spec_args(spec, strategy="ddp", bucket_mb=0.004), init_distributed(),
-                                lambda model, a: DistributedDataParallel(
-                                    model, bucket_cap_mb=a.bucket_mb, all_reduce=all_reduce_through_float32))
+    run = spec_run(spec, dp_validate, strategy="ddp", bucket_mb=0.004)
+    return DataParallelStrategy(run, init_distributed(), lambda model, r: DistributedDataParallel(
+                                    model, bucket_cap_mb=r.options.bucket_mb,
+                                    all_reduce=all_reduce_through_float32))
 
 
 SMALL = TrainSpec(cfg=TINY, world_size=2, global_batch=4, micro_batch=1, seq_len=6, steps=2, optimizer="sgd")
@@ -599,7 +601,7 @@ def refused(kind: str) -> None:
 
 @pytest.mark.parametrize("kind, message", [
     ("device_ids", r"device_ids=\[0\] but the module's parameters are on \['cpu'\]: move the module"),
-    ("static_graph", r"unexpected keyword argument 'static_graph'")])
+    ("static_graph", r"does not implement static_graph: buckets are fixed at construction anyway: drop it")])
 def test_torch_arguments_it_cannot_honour_fail_loudly(pools, kind, message):
     with pytest.raises(RankError, match=message):
         pools.run(1, refused, kind)

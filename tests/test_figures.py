@@ -29,9 +29,9 @@ def replaced(monkeypatch: pytest.MonkeyPatch, target: str, make) -> None:
     module_name, name = target.split(":")
     original = getattr(importlib.import_module(module_name), name)
     new = make(original)
-    for mod in list(sys.modules.values()):
-        if getattr(mod, name, None) is original and getattr(mod, "__name__", "").split(".")[0] in (
-                "common", *figures.CHAPTER_MODULES):  # project modules only
+    project = ("common", *figures.CHAPTER_MODULES)
+    for mod in list(sys.modules.values()):  # vars(): a lazy module's __getattr__ would import things
+        if getattr(mod, "__name__", "").split(".")[0] in project and vars(mod).get(name) is original:
             monkeypatch.setattr(mod, name, new)
 
 

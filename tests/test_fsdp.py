@@ -20,6 +20,7 @@ from common.data import local_micro_batches, split_inputs_targets
 from common.dist import init_distributed
 from common.model import TransformerBlock, build_model, get_config, loss_fn
 from common.reference import TOLERANCE, ReferenceTrainer, make_reference, relative_diff
+from common.run import Run
 from fsdp import (
     FullyShardedDataParallel,
     MixedPrecision,
@@ -46,9 +47,16 @@ STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]  # HSDP: test_fsdp_hybr
 def fsdp_strategy(spec: TrainSpec, sharding: str = "FULL_SHARD", no_sync: bool = False,
                   prefetch: bool = True) -> FSDPStrategy:
     """Built exactly as train.py builds it, from the namespace its parser would produce."""
-    args = spec_args(spec, sharding_strategy=sharding, no_sync=no_sync, no_prefetch=not prefetch,
-                     impl="ours")
-    return FSDPStrategy(args, init_distributed())
+    run = fsdp_run(spec, sharding, no_sync=no_sync, no_prefetch=not prefetch)
+    return FSDPStrategy(run, init_distributed())
+
+
+def fsdp_run(spec: TrainSpec, sharding: str, impl: str = "ours", dp: int | None = None, **flags) -> Run:
+    """The run train.py's validate resolves from the namespace its parser would produce (on `dp`
+    ranks: the data-parallel group's, the spec's world by default)."""
+    flags = {"no_sync": False, "no_prefetch": False, "nodes": None, **flags}
+    args = spec_args(spec, sharding_strategy=sharding, impl=impl, **flags)
+    return fsdp_train.validate(args, dp or spec.world_size)
 
 
 # --- the source article's loop, verbatim ----------------------------------------------------------
@@ -149,8 +157,7 @@ def subgroup_strategy(spec: TrainSpec, sharding: str) -> FSDPStrategy:
     each group shards over its own ranks and trains one replica."""
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     group = groups[dist.get_rank() % 2]
-    args = spec_args(spec, sharding_strategy=sharding, no_sync=False, no_prefetch=False)
-    strategy = FSDPStrategy(args, init_distributed(), process_group=group)
+    strategy = FSDPStrategy(fsdp_run(spec, sharding, dp=2), init_distributed(), process_group=group)
     strategy.dp_rank, strategy.dp_size, strategy.mesh = dist.get_rank(group), 2, {"dp": 2, "replica": 2}
     return strategy
 
@@ -164,9 +171,7 @@ def test_fsdp_on_a_sub_group_equals_single_device(pools, sharding):
 
 def torch_fsdp2_strategy(spec: TrainSpec, sharding: str):
     from fsdp.torch_fsdp2 import TorchFSDP2Strategy
-    args = spec_args(spec, sharding_strategy=sharding, no_sync=False, no_prefetch=False,
-                     impl="torch-fsdp2")
-    return TorchFSDP2Strategy(args, init_distributed(), spec.grad_accum)
+    return TorchFSDP2Strategy(fsdp_run(spec, sharding, impl="torch-fsdp2"), init_distributed())
 
 
 FSDP2_MISSING = fsdp2_unavailable("cpu")  # the suite's ranks run on CPU (gloo)
@@ -200,8 +205,7 @@ class LocalNormClipping(FSDPStrategy):
 
 def broken_strategy(spec: TrainSpec, broken: str) -> FSDPStrategy:
     if broken == "partial-clip-norm":
-        args = spec_args(spec, sharding_strategy="FULL_SHARD", no_sync=False, no_prefetch=False)
-        return LocalNormClipping(args, init_distributed())
+        return LocalNormClipping(fsdp_run(spec, "FULL_SHARD"), init_distributed())
     strategy = fsdp_strategy(spec)
     full = strategy.model.full_state_dict(rank0_only=False)
     for h in strategy.model._handles():
@@ -442,9 +446,9 @@ def test_no_sync_reduces_once_per_step_and_gathers_every_micro_batch(pools):
 def train_cli(argv: list[str]) -> dict:
     from common.training import train
     args = fsdp_train.parse_args(argv)
-    layout = fsdp_train.validate(args, dist.get_world_size())
+    run = fsdp_train.validate(args, dist.get_world_size())
     ctx = init_distributed()
-    return train(args, ctx, fsdp_train.build(args, ctx, layout), layout, chapter=4)
+    return train(run, ctx, fsdp_train.build(run, ctx), chapter=4)
 
 
 CLI_ARGV = ["--model", "tiny", "--steps", "2", "--global-batch", "8", "--seq-len", "8", "--check",

@@ -104,6 +104,101 @@ def test_users_loop_with_original_parameters_equals_single_device(pools):
     assert len(shapes["layers.0.attention.wq.weight"]) == 1  # this rank's 1-D piece, like torch's
 
 
+# --- a master-only checkpoint: torch's optim_state_dict pair, against one device and torch's FSDP1 ---
+
+def optimizer_checkpoint(spec: TrainSpec, path: str) -> dict:
+    """The torch user's FSDP1 checkpoint: model.state_dict() and FSDP.optim_state_dict(model, optim)
+    on every rank (collectives), `if rank == 0: torch.save`, every rank loading the file into a
+    fresh model (other init) with optim.load_state_dict(FSDP.optim_state_dict_to_load(...)), one
+    more step. Single-device AdamW on the whole batch alongside (float64)."""
+    cfg, rank, world = spec.cfg, dist.get_rank(), dist.get_world_size()
+    def adamw(module: nn.Module):
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5**step)
+
+    def wrap(seed: int):
+        model = FullyShardedDataParallel(build_model(cfg, seed, torch.float64),
+                                         auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}))
+        return model, *adamw(model)
+
+    reference = build_model(cfg, spec.seed, torch.float64)
+    ref_opt, ref_sched = adamw(reference)
+
+    def step(model, opt, sched, s: int) -> None:
+        tokens = spec.data().global_batch(s, spec.global_batch)
+        inputs, targets = split_inputs_targets(local_micro_batches(tokens, rank, world, spec.micro_batch)[0])
+        loss_fn(model(inputs), targets).backward()
+        ref_inputs, ref_targets = split_inputs_targets(tokens)
+        loss_fn(reference(ref_inputs), ref_targets).backward()
+        for o, sch in ((opt, sched), (ref_opt, ref_sched)):
+            o.step()
+            sch.step()
+            o.zero_grad()
+
+    model, opt, sched = wrap(spec.seed)
+    for s in range(spec.steps):
+        step(model, opt, sched, s)
+    osd = FullyShardedDataParallel.optim_state_dict(model, opt)
+    model_state = model.state_dict()
+    ref_state = ref_opt.state_dict()
+    names = [n for n, _ in reference.named_parameters()]
+    by_name = {names[i]: v for i, v in ref_state["state"].items()}
+    state_diff = max(relative_diff(osd["state"][n], by_name[n]) for n in names)
+    if rank == 0:
+        torch.save({"model": model_state, "optimizer": osd, "scheduler": sched.state_dict()}, path)
+    dist.barrier()
+    saved = torch.load(path)
+    model, opt, sched = wrap(spec.seed + 1)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(FullyShardedDataParallel.optim_state_dict_to_load(model, opt, saved["optimizer"]))
+    sched.load_state_dict(saved["scheduler"])
+    step(model, opt, sched, spec.steps)
+    return {"names": sorted(osd["state"]) == sorted(names), "group_names": osd["param_groups"][0]["params"],
+            "state_diff": state_diff, "keys": sorted(osd["state"][names[0]]),
+            "param_diff": relative_diff(model.full_state_dict(rank0_only=False),
+                                        {n: p.detach() for n, p in reference.named_parameters()})}
+
+
+def torch_fsdp1_optim_state(cfg) -> dict:
+    """torch's own FSDP1 (CPU, gloo) on the same model and batch: its optim_state_dict's names,
+    keys and values (float32: its clip and gathers want it), and ours beside it."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    rank = dist.get_rank()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(rank))
+    states = []
+    for cls, kwargs in ((TorchFSDP, {"device_id": torch.device("cpu")}), (FullyShardedDataParallel, {})):
+        model = cls(build_model(cfg, 0, torch.float32), auto_wrap_policy=ModuleWrapPolicy({TransformerBlock}),
+                    **kwargs)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+        loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        opt.step()
+        states.append(cls.optim_state_dict(model, opt))
+        del model, opt
+    theirs, ours = states
+    return {"names": (list(theirs["state"]), list(ours["state"])),
+            "keys": [{n: sorted(v) for n, v in osd["state"].items()} for osd in states],
+            "groups": (theirs["param_groups"], ours["param_groups"]),
+            "diff": max(relative_diff({k: v for k, v in theirs["state"][n].items() if k != "step"},
+                                      {k: v for k, v in ours["state"][n].items() if k != "step"})
+                        for n in theirs["state"])}
+
+
+def test_a_master_only_checkpoint_with_torchs_optim_state_dict_pair_resumes_exactly(pools, tmp_path):
+    for r in pools.run(2, optimizer_checkpoint, SPEC, str(tmp_path / "ckpt.pt")):
+        assert r["names"] and r["keys"] == ["exp_avg", "exp_avg_sq", "step"], r
+        assert r["state_diff"] <= 1e-10 and r["param_diff"] <= 1e-10, r
+
+
+def test_optim_state_dict_is_torchs_fsdp1_format_and_values(pools):
+    """torch's FSDP1 runs on CPU and gloo: the same names in the same order, the same keys, the same
+    param_groups, values equal to float32 rounding (different summation orders)."""
+    for r in pools.run(2, torch_fsdp1_optim_state, get_config("tiny", n_layers=2)):
+        assert r["names"][0] == r["names"][1] and r["keys"][0] == r["keys"][1], r
+        assert r["groups"][0] == r["groups"][1], r["groups"]
+        assert r["diff"] <= 1e-5, r
+
+
 # --- gradient accumulation through the original parameters ---------------------------------------
 
 def accumulate_through_orig_params(spec: TrainSpec, no_sync: bool) -> dict:

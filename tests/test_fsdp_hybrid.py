@@ -6,6 +6,7 @@ numbers stay right) by the bytes per group."""
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -32,6 +33,7 @@ from fsdp import (
     unit_traffic,
 )
 from fsdp import train as fsdp_train
+from fsdp.formulas import network_bytes
 from fsdp.train import FSDPStrategy
 from tests.conftest import PROFILE
 from tests.equivalence import (
@@ -39,7 +41,7 @@ from tests.equivalence import (
     check_strategy,
     check_strategy_rejected,
     data_parallel_specs,
-    spec_args,
+    spec_run,
     with_spec,
 )
 from tests.harness import RankError
@@ -52,9 +54,9 @@ THOROUGH = PROFILE == "thorough"  # ci: one 4-rank pool, 2×2, the fewest exampl
 def hsdp_strategy(spec: TrainSpec, sharding: str, shard_size: int, no_sync: bool = False,
                   cls: type[FSDPStrategy] = FSDPStrategy) -> FSDPStrategy:
     """Built as train.py builds it for `--nodes world/s`: nodes of s consecutive ranks."""
-    args = spec_args(spec, sharding_strategy=sharding, no_sync=no_sync, no_prefetch=False, impl="ours",
-                     nodes=spec.world_size // shard_size)
-    return cls(args, init_distributed())
+    run = spec_run(spec, fsdp_train.validate, sharding_strategy=sharding, no_sync=no_sync, no_prefetch=False,
+                   impl="ours", nodes=spec.world_size // shard_size)
+    return cls(run, init_distributed())
 
 
 # --- the same numbers as one device -----------------------------------------------------------------
@@ -119,6 +121,58 @@ def test_broken_hsdp_is_rejected(pools, broken):
     print(broken, check_strategy_rejected(pools, NEGATIVE, broken_hsdp, broken))
 
 
+# --- the order: each unit's cross-node all-reduce overlaps the later units' backward ------------------
+
+def hsdp_backward_order(defer: bool) -> list[tuple[str, str]]:
+    """4 linear units on 2 × 2 (torch's default groups, LOCAL_WORLD_SIZE=2), one backward: each
+    unit's reduce-scatter (within the node) and cross-node all-reduce, and the end-of-backward
+    callback, in the order they are posted. `defer` plants the bug the numbers and the bytes cannot
+    see: every all-reduce deferred to the end of backward (no overlap)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 5), nn.Linear(5, 3), nn.Linear(3, 5)).double()
+    previous, os.environ["LOCAL_WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"], "2"
+    try:
+        fsdp = FullyShardedDataParallel(model, sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                                        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    finally:
+        os.environ["LOCAL_WORLD_SIZE"] = previous
+    log: list[tuple[str, str]] = []
+    for h in fsdp._handles():
+        def reduce(grad, sync, h=h, posted=h.reduce_grad):
+            posted(grad, sync)
+            log.append(("reduce-scatter", h.name))
+
+        def replicate(h=h, posted=h.start_replicate):
+            if defer and fsdp._state.in_backward:  # planted: only the end-of-backward callback posts
+                return
+            before = h._replicating
+            posted()
+            if h._replicating and not before:
+                log.append(("all-reduce", h.name))
+
+        h.reduce_grad, h.start_replicate = reduce, replicate
+    finish = fsdp._finish_backward
+    fsdp._finish_backward = lambda: (log.append(("end of backward", "")), finish())[1]
+    fsdp(torch.randn(2, 5, dtype=torch.float64)).sum().backward()
+    return log
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_hsdp_posts_each_cross_node_all_reduce_during_backward(pools, defer):
+    """Unit u's all-reduce is posted after its own reduce-scatter and before the reduce-scatter of
+    the unit two places later in backward (it overlaps that unit's backward: torch issues it right
+    after u's reduce-scatter); only the last unit's waits for the end-of-backward callback. The
+    planted deferral trains the same numbers over the same bytes, and this order check rejects it."""
+    order = [f"{i}" for i in (3, 2, 1, 0)]  # backward order of the units
+    for log in pools.run(4, hsdp_backward_order, defer):
+        at = {event: i for i, event in enumerate(log)}
+        checks = [at[("reduce-scatter", u)] < at[("all-reduce", u)] for u in order]
+        checks += [at[("all-reduce", u)] < at[("reduce-scatter", later)]
+                   for u, later in zip(order, order[2:], strict=False)]
+        checks += [at[("all-reduce", u)] < at[("end of backward", "")] for u in order[:-1]]
+        assert all(checks) != defer, log
+
+
 # --- bytes per group: the formula equals the meter --------------------------------------------------
 
 def _all_reduce_then_reduce_scatter(self, grad: torch.Tensor, sync: bool) -> None:
@@ -132,7 +186,7 @@ def _all_reduce_then_reduce_scatter(self, grad: torch.Tensor, sync: bool) -> Non
         return
     dist.all_reduce(grad, group=self.replicate_group)
     out = grad.new_empty(self.shard_numel)
-    reduce_scatter_single(out, grad, self.group)
+    reduce_scatter_single(out, grad, group=self.group)
     self._reduce, self._replicating = (None, out, grad), True
 
 
@@ -190,15 +244,51 @@ def test_hsdp_bytes_per_group_equal_the_formula_and_the_planted_order_is_caught(
 
 def test_hsdp_comm_bytes_in_closed_form():
     """4 blocks of 1,000 fp32 elements on s = 4 × r = 2: intra (s-1)/s·(2·P·b + P·b) per step,
-    inter 2(r-1)/r·P/s·b; FULL_SHARD over all 8 ranks sends 3·7/8·P·b, ~1.5·s× the inter bytes."""
+    inter 2(r-1)/r·P/s·b per rank."""
     blocks, P, b = [UnitTraffic(1000, 4000, 4, False)] * 4, 4000, 4
     split = fsdp_comm_bytes_by_group(blocks, 4, ShardingStrategy.HYBRID_SHARD, replicate_size=2)
     assert split["intra"] == pytest.approx(3 / 4 * 3 * P * b, rel=1e-15)
     assert split["inter"] == pytest.approx(2 * 1 / 2 * P / 4 * b, rel=1e-15)
     zero2 = fsdp_comm_bytes_by_group(blocks, 4, ShardingStrategy._HYBRID_SHARD_ZERO2, replicate_size=2)
     assert zero2 == {"intra": pytest.approx(3 / 4 * 2 * P * b, rel=1e-15), "inter": split["inter"]}
-    flat = fsdp_comm_bytes(blocks, 8, ShardingStrategy.FULL_SHARD)
-    assert flat / split["inter"] == pytest.approx(3 * 7 / 8 * 4, rel=1e-15)  # 10.5 = 1.5·s·(n-1)/n·r/(r-1)
+    assert fsdp_comm_bytes(blocks, 8, ShardingStrategy.FULL_SHARD) == pytest.approx(7 / 8 * 3 * P * b,
+                                                                                   rel=1e-15)
+
+
+def network_cut(s: int, r: int, micro_batches: int = 1, b_p: int = 4, b_r: int = 4) -> float:
+    """FULL_SHARD's network bytes per node over HYBRID_SHARD's: 4 blocks of 4,096 elements."""
+    blocks = [UnitTraffic(4096, 4096 * b_p, b_r, False)] * 4
+    flat, hsdp = (network_bytes(blocks, s, r, ShardingStrategy[name], micro_batches, no_sync=True)
+                  for name in ("FULL_SHARD", "HYBRID_SHARD"))
+    return (flat["network_gather"] + flat["network_reduce"]) / hsdp["network_reduce"]
+
+
+def test_hsdp_network_bytes_per_node_and_per_nic():
+    """A flat ring over n = s·r ranks with each node's GPUs adjacent: only its r hops between nodes
+    use the network, one channel per NIC, so per node FULL_SHARD sends one rank's (n-1)/n·3P·b,
+    1/s of it per NIC; HSDP sends 2(r-1)/r·P·b per node (each GPU all-reduces its P/s across the
+    r nodes). The cut is 1.5·(n-1)/n·r/(r-1): 2.8125× at s = 8, r = 2 and ≈1.5× as r grows, not
+    the 1.5·s× (12× at s = 8) once claimed; the all-gathers (2/3 of FULL_SHARD's network bytes,
+    repeated every micro-batch) are what HSDP keeps in the node."""
+    P, b = 4 * 4096, 4
+    blocks = [UnitTraffic(4096, 4096 * b, b, False)] * 4
+    flat = network_bytes(blocks, 8, 2, ShardingStrategy.FULL_SHARD)
+    assert flat["network_gather"] == pytest.approx(15 / 16 * 2 * P * b, rel=1e-15)
+    assert flat["network_reduce"] == pytest.approx(15 / 16 * P * b, rel=1e-15)
+    assert flat["network_per_nic"] == pytest.approx(15 / 16 * 3 * P * b / 8, rel=1e-15)
+    assert flat["nvlink_per_gpu"] == pytest.approx(15 / 16 * 3 * P * b * 7 / 8, rel=1e-15)
+    assert (flat["shard_ring"], flat["replicate_ring"]) == (16, 1)
+    hsdp = network_bytes(blocks, 8, 2, ShardingStrategy.HYBRID_SHARD)
+    assert hsdp["network_gather"] == 0
+    assert hsdp["network_reduce"] == pytest.approx(2 * 1 / 2 * P * b, rel=1e-15)
+    per_rank = fsdp_comm_bytes_by_group(blocks, 8, ShardingStrategy.HYBRID_SHARD, replicate_size=2)
+    assert hsdp["network_per_nic"] == pytest.approx(per_rank["inter"], rel=1e-15)
+    assert hsdp["nvlink_per_gpu"] == pytest.approx(7 / 8 * 3 * P * b, rel=1e-15)
+    assert (hsdp["shard_ring"], hsdp["replicate_ring"]) == (8, 2)
+    assert network_cut(8, 2) == pytest.approx(2.8125, rel=1e-15)  # 1.5 · 15/16 · 2
+    assert network_cut(8, 64) == pytest.approx(1.5 * 511 / 512 * 64 / 63, rel=1e-15)  # → 1.5
+    assert network_cut(8, 2, micro_batches=4) == pytest.approx(15 / 16 * (8 + 1) / 1, rel=1e-15)
+    assert network_cut(8, 2, b_p=2) == pytest.approx(15 / 16 * (4 + 4) / 4, rel=1e-15)  # bf16 gathers
 
 
 # --- train.py: flags validated before any collective; --check and the report per group ---------------
@@ -206,9 +296,9 @@ def test_hsdp_comm_bytes_in_closed_form():
 def train_cli(argv: list[str]) -> dict:
     from common.training import train
     args = fsdp_train.parse_args(argv)
-    layout = fsdp_train.validate(args, dist.get_world_size())
+    run = fsdp_train.validate(args, dist.get_world_size())
     ctx = init_distributed()
-    return train(args, ctx, fsdp_train.build(args, ctx, layout), layout, chapter=4)
+    return train(run, ctx, fsdp_train.build(run, ctx), chapter=4)
 
 
 def test_train_hsdp_check_passes_and_reports_bytes_per_group(pools):

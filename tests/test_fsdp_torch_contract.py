@@ -29,7 +29,9 @@ from fsdp import (
     UnitTraffic,
     fsdp_comm_bytes,
     size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
 )
+from fsdp.state import NOT_IMPLEMENTED
 from fsdp.wrap import apply_auto_wrap
 
 torch_fsdp = pytest.importorskip("torch.distributed.fsdp")
@@ -80,6 +82,16 @@ class Unit(nn.Module):
         self.module = module
 
 
+@pytest.mark.parametrize("module", [TransformerBlock(get_config("tiny")), RMSNorm(4, 1e-5), nn.Linear(4, 4)])
+def test_transformer_policy_answers_as_torchs(module):
+    """transformer_auto_wrap_policy(module, recurse, nonwrapped_numel, transformer_layer_cls), as
+    torch's: recurse into everything; wrap exactly the listed classes."""
+    for recurse in (True, False):
+        args = dict(module=module, recurse=recurse, nonwrapped_numel=100,
+                    transformer_layer_cls={TransformerBlock})
+        assert transformer_auto_wrap_policy(**args) == torch_wrap.transformer_auto_wrap_policy(**args)
+
+
 @pytest.mark.parametrize("min_num_params", [1, 2_000, 20_000, 10**6])
 def test_auto_wrap_makes_the_units_torchs_recursive_wrap_makes(min_num_params):
     """Same policy, same model: the same modules become units (torch asks the root whether to
@@ -117,6 +129,39 @@ def test_options_we_cannot_honour_fail_before_any_collective(kwargs, error, mess
     assert not dist.is_initialized()
     with pytest.raises(error, match=message):
         FullyShardedDataParallel(nn.Linear(2, 2), **kwargs)
+
+
+REFUSED_FSDP1 = [  # every public method of torch's FSDP1 not implemented here, and the fix it names
+    ("apply", r"call fn on the module before wrapping it, or pass param_init_fn"),
+    ("summon_full_params", r"model.full_state_dict\(rank0_only=False\)"),
+    ("state_dict_type", r"state_dict\(\) is already FULL_STATE_DICT"),
+    ("set_state_dict_type", r"full_state_dict\(rank0_only=True\) is FullStateDictConfig"),
+    ("get_state_dict_type", r"local_state_dict\(\) is LOCAL_STATE_DICT"),
+    ("full_optim_state_dict", r"optim_state_dict\(model, optim\)"),
+    ("sharded_optim_state_dict", r"optim_state_dict\(model, optim\)"),
+    ("shard_full_optim_state_dict", r"optim_state_dict_to_load\(model, optim, osd\)"),
+    ("scatter_full_optim_state_dict", r"optim_state_dict_to_load\(model, optim, osd\)"),
+    ("flatten_sharded_optim_state_dict", r"optim_state_dict_to_load\(model, optim, osd\)"),
+    ("rekey_optim_state_dict", r"torch's current pair"),
+    ("register_comm_hook", r"flat_param.py's reduce_grad"),
+]
+
+
+def test_the_refused_fsdp1_methods_are_all_listed():
+    assert sorted(name for name, _ in REFUSED_FSDP1) == sorted(NOT_IMPLEMENTED)
+
+
+@pytest.mark.parametrize("name, fix", REFUSED_FSDP1)
+def test_torchs_fsdp1_methods_not_implemented_here_raise_naming_the_fix(name, fix):
+    """Called the torch way, on the class (FSDP.summon_full_params(model)) or on a model, before any
+    collective; nn.Module.apply would silently run on freed views, so it is refused too."""
+    assert not dist.is_initialized()
+    model = FullyShardedDataParallel.__new__(FullyShardedDataParallel)  # no process group needed
+    for call in (lambda: getattr(FullyShardedDataParallel, name)(model, nn.Linear(2, 2)),
+                 lambda: getattr(model, name)(lambda m: None)):
+        with pytest.raises(NotImplementedError, match=rf"FullyShardedDataParallel.{name} \(torch's FSDP1\) "
+                           rf"is not implemented here: .*{fix}"):
+            call()
 
 
 def test_cpu_offload_that_offloads_nothing_is_accepted_as_torchs_default():
@@ -329,6 +374,85 @@ def test_hybrid_shard_works_with_torchs_groups_and_the_whole_api(pools):
         assert r["units_share"] and r["synced"] and r["views"]
         assert r["grad_diff"] <= 1e-10 and r["round_trip"] == 0
         assert r["shard_world"] == {2} and r["shard_rank"] == local
+
+
+# --- every torch argument and method, called as torch's docs call them, against torch's own FSDP1 ----
+
+def torch_way(ours: bool) -> dict:
+    """One user's FSDP1 code run on torch's FullyShardedDataParallel (CPU, gloo) and on ours: the
+    constructor with every torch keyword argument (its types from its own module: torch's enums,
+    MixedPrecision, ModuleWrapPolicy), accumulation under no_sync, clip_grad_norm_(max_norm,
+    norm_type), state_dict(destination, prefix, keep_vars), FSDP.optim_state_dict(model, optim,
+    optim_state_dict, group), then a fresh model: load_state_dict(state_dict, strict) and
+    FSDP.optim_state_dict_to_load(..., is_named_optimizer, load_directly, group), one more step."""
+    import fsdp as ns
+    if ours:
+        FSDP, api, device = FullyShardedDataParallel, ns, {"device_id": None}  # torch users' alias
+    else:
+        FSDP, device = torch_fsdp.FullyShardedDataParallel, {"device_id": torch.device("cpu")}
+        api = type("torch_api", (), {"ShardingStrategy": torch_fsdp.ShardingStrategy,
+                                     "MixedPrecision": torch_fsdp.MixedPrecision,
+                                     "BackwardPrefetch": torch_fsdp.BackwardPrefetch,
+                                     "ModuleWrapPolicy": torch_wrap.ModuleWrapPolicy})
+    cfg, f32 = get_config("tiny", n_layers=2), torch.float32
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    tokens = torch.randint(0, cfg.vocab_size, (3, 7), generator=gen)
+
+    def build(seed: int):
+        mp = api.MixedPrecision(param_dtype=f32, reduce_dtype=f32, buffer_dtype=f32,
+                                keep_low_precision_grads=False, cast_forward_inputs=False,
+                                cast_root_forward_inputs=True)
+        model = FSDP(module=build_model(cfg, seed, f32), process_group=None,
+                    sharding_strategy=api.ShardingStrategy.FULL_SHARD, cpu_offload=None,
+                    auto_wrap_policy=api.ModuleWrapPolicy({TransformerBlock}),
+                    backward_prefetch=api.BackwardPrefetch.BACKWARD_PRE, mixed_precision=mp,
+                    ignored_modules=None, param_init_fn=None, sync_module_states=False,
+                    forward_prefetch=False, limit_all_gathers=True, use_orig_params=False,
+                    ignored_states=None, device_mesh=None, **device)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+
+    def train(model, opt, rows) -> torch.Tensor:
+        with model.no_sync():
+            loss_fn(model(tokens[rows[0]:rows[0] + 1, :-1]), tokens[rows[0]:rows[0] + 1, 1:]).backward()
+        loss_fn(model(tokens[rows[1]:rows[1] + 1, :-1]), tokens[rows[1]:rows[1] + 1, 1:]).backward()
+        norm = model.clip_grad_norm_(max_norm=0.5, norm_type=2.0)
+        opt.step()
+        opt.zero_grad()
+        return norm
+
+    model, opt = build(0)
+    norm = train(model, opt, (0, 1))
+    state = model.state_dict(destination=None, prefix="", keep_vars=False)
+    osd = FSDP.optim_state_dict(model=model, optim=opt, optim_state_dict=opt.state_dict(), group=None)
+    facts = {"module": type(model.module).__name__, "world": dist.get_world_size(model.process_group),
+             "mixed_precision": dataclasses.astuple(model.mixed_precision)[:6]}
+    fresh, fresh_opt = build(5)
+    missing = fresh.load_state_dict(state_dict=state, strict=True, assign=False)
+    FSDP.optim_state_dict_to_load(model=fresh, optim=fresh_opt, optim_state_dict=osd,
+                                  is_named_optimizer=False, load_directly=True, group=None)
+    norm2 = train(fresh, fresh_opt, (2, 0))
+    after = fresh.state_dict()
+    del model, fresh, opt, fresh_opt
+    return {"norms": [norm.item(), norm2.item()], "state": state, "optim": osd, "after": after,
+            "missing": (list(missing.missing_keys), list(missing.unexpected_keys)), **facts}
+
+
+def test_torchs_fsdp1_calls_give_torchs_results(pools):
+    """Every constructor argument by torch's keyword, the methods by torch's signatures: the same
+    clipping norms, the same state dict and optimizer state dict (names, keys, values), the same
+    resumed model, to float32 rounding; module, process_group and mixed_precision mean the same."""
+    theirs, ours = (pools.run(2, torch_way, flag)[0] for flag in (False, True))
+    assert ours["norms"] == pytest.approx(theirs["norms"], rel=1e-5)
+    assert list(ours["state"]) == list(theirs["state"])
+    assert relative_diff(ours["state"], theirs["state"]) < 1e-5
+    assert list(ours["optim"]["state"]) == list(theirs["optim"]["state"])
+    assert ours["optim"]["param_groups"] == theirs["optim"]["param_groups"]
+    for name, state in theirs["optim"]["state"].items():
+        mine = {k: v for k, v in ours["optim"]["state"][name].items() if k != "step"}
+        assert relative_diff(mine, {k: v for k, v in state.items() if k != "step"}) < 1e-5, name
+    assert relative_diff(ours["after"], theirs["after"]) < 1e-5
+    for key in ("missing", "module", "world", "mixed_precision"):
+        assert ours[key] == theirs[key], key
 
 
 # --- torch's FSDP2 yardstick needs a torch whose stream has record_event (2.7+ on CPU) -------------

@@ -56,7 +56,7 @@ PUBLISHED = {
     "tiny": (32, 8, 4, 4, 256, 16, None, 1e-5, 10000.0, None, 2048),
     "small": (256, 8, 8, 4, 256, 64, None, 1e-5, 10000.0, None, 2048),
     # MoE (tests/test_moe.py counts them): Mixtral 8x7B's params.json; DeepSeek-V3's config.json
-    # where our LLaMA can hold it (pre-training context 4096; MHA in place of MLA: common/model.py)
+    # (pre-training context 4096; its MLA fields below, which only the planner reads)
     "tiny-moe": (32, 8, 4, 4, 256, 16, None, 1e-5, 10000.0, None, 2048),
     "mixtral-8x7b": (4096, 32, 32, 8, 32000, 256, None, 1e-5, 1e6, None, 32768),
     "deepseek-v3": (7168, 61, 128, 128, 129280, 1024, 0.96, 1e-6, 10000.0, None, 4096),
@@ -64,6 +64,8 @@ PUBLISHED = {
 MOE_FIELDS = ("n_experts", "top_k", "n_shared_experts", "moe_hidden_dim", "gate", "aux_loss_coef",
               "capacity_factor", "first_dense_layers")
 DENSE = (0, 2, 0, None, "softmax", 0.01, None, 0)  # the defaults, unused by a dense model
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+MLA_PUBLISHED = {"deepseek-v3": (1536, 512, 128, 64, 128)}  # its config.json; planner-only
 MOE_PUBLISHED = {
     "tiny-moe": (8, 2, 1, 32, "softmax", 0.01, None, 1),
     "mixtral-8x7b": (8, 2, 0, 14336, "softmax", 0.02, None, 0),
@@ -78,7 +80,10 @@ def test_named_configs_are_exactly_the_published_ones():
         assert {f: getattr(cfg, f) for f in FIELDS} == dict(zip(FIELDS, values, strict=True)), name
         moe = MOE_PUBLISHED.get(name, DENSE)
         assert {f: getattr(cfg, f) for f in MOE_FIELDS} == dict(zip(MOE_FIELDS, moe, strict=True)), name
-        assert {f.name for f in dataclasses.fields(cfg)} == {*FIELDS, *MOE_FIELDS}, "a new field: pin it"
+        mla = MLA_PUBLISHED.get(name, (0,) * 5)
+        assert {f: getattr(cfg, f) for f in MLA_FIELDS} == dict(zip(MLA_FIELDS, mla, strict=True)), name
+        assert {f.name for f in dataclasses.fields(cfg)} == {*FIELDS, *MOE_FIELDS, *MLA_FIELDS}, \
+            "a new field: pin it"
 
 
 @pytest.mark.parametrize("name", ["tiny", "llama3.1-8b"])

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import tensor_parallel.expert_parallel as ep_module
 from common.model import build_model, get_config, loss_fn
 from common.moe import moe_layers
+from common.patch import patch_dist
 from tensor_parallel.expert_parallel import expert_parallel
 from tests.collective_guard import HostDefaultTracker, is_host_default
 from tests.test_moe import make_layer, moe_config
@@ -77,13 +78,20 @@ class PlanRecorder(HostDefaultTracker):
                              "group": tuple(dist.get_process_group_ranks(group or dist.group.WORLD))})
         return self._all_reduce(tensor, op, group=group, async_op=async_op)
 
+    def _keep(self, attr: str, method):
+        def wrap(torchs):
+            setattr(self, attr, torchs)
+            return method
+        return wrap
+
     def __enter__(self):
-        self._a2a, self._all_reduce = dist.all_to_all_single, dist.all_reduce
-        dist.all_to_all_single, dist.all_reduce = self.all_to_all_single, self.all_reduce
+        self._patched = patch_dist({"all_to_all_single": self._keep("_a2a", self.all_to_all_single),
+                                    "all_reduce": self._keep("_all_reduce", self.all_reduce)})
+        self._patched.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
-        dist.all_to_all_single, dist.all_reduce = self._a2a, self._all_reduce
+        self._patched.__exit__(*exc)
         return super().__exit__(*exc)
 
 
@@ -95,7 +103,7 @@ def planted(bug: str | None):
         tensor = torch.tensor
         return mock.patch.object(torch, "tensor",
                                  lambda data, dtype=None, device=None: tensor(data, dtype=dtype))
-    real = ep_module.all_to_all
+    real = ep_module.all_to_all_rows
 
     def buggy(x, out_splits, in_splits, group):
         if bug == "skip" and sum(out_splits) == 0:  # "nothing arrives: skip the exchange"
@@ -105,7 +113,7 @@ def planted(bug: str | None):
         if bug == "swap":
             in_splits = [in_splits[1], in_splits[0], *in_splits[2:]]
         return real(x, out_splits, in_splits, group)
-    return mock.patch.object(ep_module, "all_to_all", buggy)
+    return mock.patch.object(ep_module, "all_to_all_rows", buggy)
 
 
 def record_plans(ep: int, bug: str | None = None) -> dict:

@@ -13,28 +13,31 @@ from common.cli import ConfigError
 from common.dist import init_distributed
 from common.model import build_model, get_config
 from common.moe import set_aux_loss_scale
+from data_parallel import train as dp_train
 from data_parallel.train import STRATEGIES, DataParallelStrategy
+from fsdp import train as fsdp_train
 from fsdp.train import FSDPStrategy
+from pipeline import train as pp_train
 from pipeline.train import PipelineStrategy
 from tensor_parallel.parallelize import parallelize_llama
 from tensor_parallel.train import parse_args, validate
-from tests.equivalence import TrainSpec, check_strategy, check_strategy_rejected, spec_args
+from tests.equivalence import TrainSpec, check_strategy, check_strategy_rejected, spec_run
 
 
 def ddp(spec: TrainSpec):
-    args = spec_args(spec, strategy="ddp", bucket_mb=0.004)
-    return DataParallelStrategy(args, init_distributed(), STRATEGIES["ddp"])
+    run = spec_run(spec, dp_train.validate, strategy="ddp", bucket_mb=0.004)
+    return DataParallelStrategy(run, init_distributed(), STRATEGIES["ddp"])
 
 
 def fsdp(spec: TrainSpec):
-    return FSDPStrategy(spec_args(spec, sharding_strategy="FULL_SHARD", no_sync=False, no_prefetch=False,
-                                  impl="ours"), init_distributed())
+    return FSDPStrategy(spec_run(spec, fsdp_train.validate, sharding_strategy="FULL_SHARD", no_sync=False,
+                                 no_prefetch=False, impl="ours", nodes=None), init_distributed())
 
 
 def pipeline(spec: TrainSpec):
-    args = spec_args(spec, schedule="1f1b", microbatches=spec.grad_accum, virtual_stages=1, partition=None,
-                     timeline_png=None)
-    return PipelineStrategy(args, init_distributed())
+    run = spec_run(spec, pp_train.validate, schedule="1f1b", microbatches=spec.grad_accum, virtual_stages=1,
+                   partition=None, timeline_png=None)
+    return PipelineStrategy(run, init_distributed())
 
 
 class AuxNotDivided(DataParallelStrategy):
@@ -46,8 +49,8 @@ class AuxNotDivided(DataParallelStrategy):
 
 
 def aux_not_divided(spec: TrainSpec):
-    args = spec_args(spec, strategy="ddp", bucket_mb=25.0)
-    return AuxNotDivided(args, init_distributed(), STRATEGIES["ddp"])
+    run = spec_run(spec, dp_train.validate, strategy="ddp", bucket_mb=25.0)
+    return AuxNotDivided(run, init_distributed(), STRATEGIES["ddp"])
 
 
 MOE_SPEC = TrainSpec(cfg=get_config("tiny-moe", n_layers=2, first_dense_layers=0, aux_loss_coef=0.1),

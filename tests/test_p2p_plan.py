@@ -24,6 +24,7 @@ from parallel3d import train as train3d
 from pipeline.p2p import exchanges, p2p_plan, segments
 from pipeline.schedules import SCHEDULES, Schedule, make_schedule, schedule_error
 from pipeline.train import PipelineStrategy
+from pipeline.train import validate as pp_validate
 from tests.equivalence import TrainSpec, spec_args
 
 # --- the checker ------------------------------------------------------------------------------
@@ -153,9 +154,9 @@ def pipeline_run(schedule: str, m: int, v: int) -> tuple[dict, int, int]:
     p = dist.get_world_size()
     spec = TrainSpec(cfg=get_config("tiny", n_layers=p * v), world_size=p, dp=1, global_batch=m,
                      micro_batch=1, seq_len=4, steps=1)
-    args = spec_args(spec, schedule=schedule, microbatches=m, virtual_stages=v, partition=None,
-                     timeline_png=None)
-    return recorded_step(PipelineStrategy(args, init_distributed()), spec)
+    run = pp_validate(spec_args(spec, schedule=schedule, microbatches=m, virtual_stages=v, partition=None,
+                                timeline_png=None), p)
+    return recorded_step(PipelineStrategy(run, init_distributed()), spec)
 
 
 def expected(plan: dict, ranks: tuple[int, ...]) -> dict:

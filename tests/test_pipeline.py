@@ -38,7 +38,7 @@ from tests.equivalence import (
     check_strategy,
     check_strategy_rejected,
     reference_record,
-    spec_args,
+    spec_run,
     tiny_configs,
 )
 from tests.harness import RankError
@@ -166,9 +166,9 @@ def test_impossible_schedules_are_refused_with_the_fix(name, p, m, v, message):
 
 def pipeline_strategy(spec: TrainSpec, schedule: str, v: int = 1, partition: str | None = None,
                       strategy_class: type[PipelineStrategy] = PipelineStrategy) -> PipelineStrategy:
-    args = spec_args(spec, schedule=schedule, microbatches=spec.grad_accum, virtual_stages=v,
-                     partition=partition, timeline_png=None)
-    return strategy_class(args, init_distributed())
+    run = spec_run(spec, pp_train.validate, schedule=schedule, microbatches=spec.grad_accum,
+                   virtual_stages=v, partition=partition, timeline_png=None)
+    return strategy_class(run, init_distributed())
 
 
 @st.composite
@@ -506,9 +506,9 @@ def test_bad_input_fails_on_every_rank_before_any_send(pools, argv, n_layers, me
 
 def train_cli(argv: list[str]) -> dict:
     args = pp_train.parse_args(argv)
-    layout = pp_train.validate(args, dist.get_world_size())
+    run = pp_train.validate(args, dist.get_world_size())
     ctx = init_distributed()
-    return train(args, ctx, pp_train.build(args, ctx, layout), layout, chapter=6)
+    return train(run, ctx, pp_train.build(run, ctx), chapter=6)
 
 
 @pytest.mark.parametrize("schedule, extra", [("1f1b", []), ("interleaved", ["--clip-grad", "1e-3"]),
@@ -539,9 +539,9 @@ def two_pipelines(schedule: str) -> tuple[float, list]:
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank creates every group
     group = groups[dist.get_rank() % 2]
     spec = replace(NEGATIVE, world_size=2, steps=1, clip_grad=1e-2)
-    args = spec_args(spec, schedule=schedule, microbatches=spec.grad_accum, virtual_stages=1,
-                     partition=None, timeline_png=None)
-    strategy = PipelineStrategy(args, init_distributed(), pp_group=group)
+    run = spec_run(spec, pp_train.validate, schedule=schedule, microbatches=spec.grad_accum,
+                   virtual_stages=1, partition=None, timeline_png=None)
+    strategy = PipelineStrategy(run, init_distributed(), pp_group=group)
     calls = []
     strategy.executor.after_backward = lambda chunk, mb, last: calls.append((chunk, mb, last))
     tokens = spec.data().global_batch(0, spec.global_batch)

@@ -34,12 +34,19 @@ from common.dist import init_distributed
 from common.forkrun import torchrun_forked
 from common.model import get_config
 from common.p2p_plan import P2PRecorder, as_op, find_deadlock, plan_from_records
-from common.training import run
+from common.training import build_and_train
 from ring_allreduce import bench as ring_bench
 from ring_allreduce import ring as ring_module
 from ring_allreduce import train as ring_train
 from ring_allreduce.agreement import CHECK_BYTES
-from ring_allreduce.cost_model import AlphaBeta, fit, naive_terms, ring_terms
+from ring_allreduce.cost_model import (
+    AlphaBeta,
+    crossover_bytes,
+    fit,
+    half_bandwidth_bytes,
+    naive_terms,
+    ring_terms,
+)
 from ring_allreduce.naive import naive_all_reduce, naive_bytes_sent
 from ring_allreduce.plan import ring_plan
 from ring_allreduce.ring import (
@@ -467,12 +474,27 @@ def test_simulator_ends_with_the_sum_everywhere_after_2_n_minus_1_steps(n, lengt
         assert snapshots[-1].elements_sent[rank] == ring_traffic(length, 1, rank, n)[0]
 
 
-def test_simulator_folds_max_and_the_readme_shows_its_diagram():
+def test_simulator_folds_max_and_the_lesson_shows_its_diagram():
     tensors = [torch.tensor([3.0, -1.0, 7.0]), torch.tensor([5.0, 2.0, -4.0])]
     final = list(simulate(tensors, op="max"))[-1]
     assert torch.equal(final.result(0), torch.tensor([5.0, 2.0, 7.0]))
-    readme = (REPO / "02_ring_allreduce" / "README.md").read_text()
-    assert diagram(4) in readme, "regenerate the README's diagram: print(simulator.diagram(4))"
+    page = (REPO / "02_ring_allreduce" / "step_by_step.md").read_text()
+    assert diagram(4) in page, "regenerate step_by_step.md's diagram: print(simulator.diagram(4))"
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_ring_steps_figure_and_simulator_agree_on_every_copy(n):
+    """The lesson's figure replays plan.ring_exchanges; the simulator plays reduce_scatter_chunks
+    and all_gather_chunks on tensors: after every step, each rank's copy of each chunk sums the
+    same number of ranks in both."""
+    from common.figures.ring_allreduce import ring_steps_data
+
+    figure = ring_steps_data(n)["steps"]
+    snapshots = list(simulate([torch.full((n,), float(10**r), dtype=torch.float64) for r in range(n)]))
+    assert len(figure) == len(snapshots) == 2 * (n - 1) + 1
+    for step, snap in zip(figure, snapshots, strict=True):
+        held = [[len(snap.holds[r][c]) for c in range(n)] for r in range(n)]
+        assert step["held"] == held, f"{step['label']}: the figure says {step['held']}, the simulator {held}"
 
 
 def test_cost_model_fit_recovers_known_alpha_and_beta():
@@ -496,6 +518,29 @@ def test_cost_model_fit_recovers_known_alpha_and_beta():
     # ring.py's messages: 2(n-1) steps of ⌈(S/n)/segment⌉ segments each
     assert ring_terms(2**24, 4, segment_bytes=2**20) == (2 * 3 * 4, 1.5 * 2**24)
     assert ring_terms(4096, 4, segment_bytes=2**20) == ring_terms(4096, 4) == (6, 1.5 * 4096)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8, 64])
+def test_cost_model_naive_root_waits_two_latencies_and_wins_only_below_the_crossover(n):
+    """The lesson explains the naive root's win on small tensors by its messages travelling at
+    once (n-1 senders, then n-1 replies: two latencies), against the ring's 2(n-1) dependent
+    steps; the model must say the same, and the crossover it prints must be where they meet."""
+    model = AlphaBeta(alpha=10e-6, beta=1 / 45e9)
+    assert naive_terms(2**20, n) == (2, 2 * (n - 1) * 2**20)
+    assert naive_terms(2**20, 1) == ring_terms(2**20, 1) == (0, 0)
+    tiny = 4.0
+    assert model.time("ring", tiny, n) / model.time("naive", tiny, n) == pytest.approx(n - 1, rel=1e-3)
+    star = crossover_bytes(model.alpha, model.beta, n)
+    assert star / n <= 2**21  # one 2 MiB segment per step: the closed form's premise
+    assert model.time("ring", star, n, 2**21) == pytest.approx(model.time("naive", star, n), rel=1e-12)
+    if n > 2:
+        assert model.time("naive", star / 2, n) < model.time("ring", star / 2, n, 2**21)
+    else:
+        assert star == 0
+    assert model.time("ring", 2 * star + 1, n, 2**21) < model.time("naive", 2 * star + 1, n)
+    half = half_bandwidth_bytes(model.alpha, model.beta, n)
+    latency, nbytes = ring_terms(half, n)
+    assert latency * model.alpha == pytest.approx(nbytes * model.beta, rel=1e-12)
 
 
 # ---------------------------------------------------------------- DDP on the ring trains exactly
@@ -647,9 +692,8 @@ def test_bad_input_is_a_clear_error_on_every_rank_and_leaves_none_hanging(pools,
 # ---------------------------------------------------------------- train.py and bench.py
 
 def train_cli(argv: list[str]) -> dict:
-    args = ring_train.parse_args(argv)
-    layout = ring_train.validate(args, dist.get_world_size())
-    return run(args, init_distributed(), layout, ring_train.build, 2, ring_train.verify_and_time)
+    run = ring_train.validate(ring_train.parse_args(argv), dist.get_world_size())
+    return build_and_train(run, init_distributed(), ring_train.build, 2, ring_train.verify_and_time)
 
 
 CLI_ARGV = ["--model", "tiny", "--dtype", "float64", "--steps", "2", "--global-batch", "12",
@@ -737,3 +781,13 @@ def test_launch_without_torchrun_is_a_clear_error(script):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "torchrun --standalone --nproc-per-node N" in proc.stderr
+
+
+def test_the_lessons_alpha_beta_numbers_are_the_cost_models():
+    """02's README quotes S* and S½ for InfiniBand (α = 10 µs, 45 GB/s, n = 8), as the alpha_beta
+    figure draws them: both must be what cost_model computes."""
+    readme = (REPO / "02_ring_allreduce" / "README.md").read_text(encoding="utf-8")
+    alpha, beta = 10e-6, 1 / 45e9
+    star = crossover_bytes(alpha, beta, 8) / 2**10
+    half = half_bandwidth_bytes(alpha, beta, 8) / 2**20
+    assert f"S* ≈ {star:.0f} KiB, S½ ≈ {half:.1f} MiB at n = 8" in readme

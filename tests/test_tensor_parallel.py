@@ -16,7 +16,6 @@ import torch.distributed as dist
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from common.cli import BatchLayout
 from common.comm import CommMeter
 from common.data import SyntheticTokens, split_inputs_targets
 from common.dist import init_distributed
@@ -41,8 +40,14 @@ from tensor_parallel import (
     vocab_parallel_loss,
 )
 from tensor_parallel import train as tp_train
-from tensor_parallel.formulas import Shape, block_comm_bytes, layer_activation_bytes, model_activation_bytes
-from tests.equivalence import TrainSpec, check_strategy, check_strategy_rejected, spec_args, with_spec
+from tensor_parallel.formulas import (
+    Shape,
+    block_comm_bytes,
+    block_comm_terms,
+    layer_activation_bytes,
+    model_activation_bytes,
+)
+from tests.equivalence import TrainSpec, check_strategy, check_strategy_rejected, spec_run, with_spec
 from tests.harness import RankError
 
 # --- layers against dense -------------------------------------------------------------------
@@ -244,9 +249,8 @@ def test_a_plan_entry_naming_no_module_fails_before_anything_is_cut():
 
 
 def tp_strategy(spec: TrainSpec, tp: int, sequence_parallel: bool, broken: str | None = None):
-    args = spec_args(spec, tp=tp, sequence_parallel=sequence_parallel)
-    strategy = tp_train.TensorParallelStrategy(args, init_distributed(),
-                                               BatchLayout(spec.micro_batch, spec.grad_accum))
+    run = spec_run(spec, tp_train.validate, tp=tp, cp=1, ep=None, sequence_parallel=sequence_parallel)
+    strategy = tp_train.TensorParallelStrategy(run, init_distributed())
     if broken:
         BREAK[broken](strategy, spec)
     return strategy
@@ -367,49 +371,71 @@ def _shape(cfg: LlamaConfig, b: int, s: int, t: int, sp: bool, dtype: torch.dtyp
                  cfg.vocab_size, cfg.head_dim, t, sp, dtype.itemsize)
 
 
-def metered_forward_backward(cfg: LlamaConfig, b: int, s: int, sp: bool) -> dict:
-    """Runs on every rank: one TP forward+backward of the whole model (group = the world) under
-    the comm meter and the activation ledger."""
-    model = build_model(cfg, 0, torch.float64)
-    parallelize_llama(model, None, sp)
-    inputs, targets = split_inputs_targets(SyntheticTokens(cfg.vocab_size, s, 0).global_batch(0, b))
-    with CommMeter() as meter, ActivationMeter(model.parameters()) as activations:
-        vocab_parallel_loss(model.output, model(inputs), targets).backward()
+def _by_op(meter: CommMeter) -> dict:
     comm = meter.as_dict()
     ops = {"all_reduce": ("all_reduce",),
            "all_gather": ("all_gather_single", "all_gather_into_tensor"),
            "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor")}
     return {"calls": {k: sum(comm.get(o, {}).get("calls", 0) for o in v) for k, v in ops.items()},
-            "bytes": {k: sum(comm.get(o, {}).get("bytes", 0) for o in v) for k, v in ops.items()},
-            "activations": activations.peak_bytes}
+            "bytes": {k: sum(comm.get(o, {}).get("bytes", 0) for o in v) for k, v in ops.items()}}
+
+
+def metered_forward_backward(cfg: LlamaConfig, b: int, s: int, sp: bool) -> dict:
+    """Runs on every rank: one TP forward+backward of the whole model (group = the world) under
+    the comm meter (forward and backward apart) and the activation ledger."""
+    model = build_model(cfg, 0, torch.float64)
+    parallelize_llama(model, None, sp)
+    inputs, targets = split_inputs_targets(SyntheticTokens(cfg.vocab_size, s, 0).global_batch(0, b))
+    with ActivationMeter(model.parameters()) as activations:
+        with CommMeter() as forward:
+            loss = vocab_parallel_loss(model.output, model(inputs), targets)
+        with CommMeter() as backward:
+            loss.backward()
+    fwd, bwd = _by_op(forward), _by_op(backward)
+    return {"calls": {k: fwd["calls"][k] + bwd["calls"][k] for k in fwd["calls"]},
+            "bytes": {k: fwd["bytes"][k] + bwd["bytes"][k] for k in fwd["bytes"]},
+            "forward": fwd, "backward": bwd, "activations": activations.peak_bytes}
 
 
 @pytest.mark.parametrize("t", [2, 4])
 @pytest.mark.parametrize("sp", [False, True])
 def test_each_block_sends_the_megatron_collectives(pools, t, sp):
     """Per block (the difference between a 2-layer and a 1-layer model): no SP, 4 all-reduces
-    (2 forward g, 2 backward f) of b·s·h; with SP, 4 all-gathers + 4 reduce-scatters (2 + 2 each
-    direction) of b·s·h, plus the 2 norm weights' gradient all-reduces of h."""
+    (2 forward g, 2 backward f) of b·s·h; with SP, forward 2 all-gathers + 2 reduce-scatters of
+    b·s·h, backward 2 reduce-scatters + 4 all-gathers (2 for the forward's reduce-scatters, 2 that
+    rebuild the column layers' saved s/t tokens), plus the 2 norm weights' gradient all-reduces
+    of h: formulas.block_comm_terms, purpose by purpose."""
     b, s = 2, 8
     cfg1, cfg2 = (get_config("tiny", n_layers=n) for n in (1, 2))
     one, two = (pools.run(t, metered_forward_backward, cfg, b, s, sp)[0] for cfg in (cfg1, cfg2))
     calls = {k: two["calls"][k] - one["calls"][k] for k in one["calls"]}
     sent = {k: two["bytes"][k] - one["bytes"][k] for k in one["bytes"]}
-    expected_calls = ({"all_reduce": 2, "all_gather": 4, "reduce_scatter": 4} if sp
+    expected_calls = ({"all_reduce": 2, "all_gather": 6, "reduce_scatter": 4} if sp
                       else {"all_reduce": 4, "all_gather": 0, "reduce_scatter": 0})
     assert calls == expected_calls
-    expected = block_comm_bytes(_shape(cfg1, b, s, t, sp, torch.float64))
+    shape = _shape(cfg1, b, s, t, sp, torch.float64)
+    expected = block_comm_bytes(shape)
     assert {k: v for k, v in sent.items() if v} == pytest.approx(expected, rel=1e-12)
     bshe = b * s * cfg1.dim * 8
     if sp:
-        assert sent["all_gather"] + sent["reduce_scatter"] == pytest.approx(8 * (t - 1) / t * bshe)
+        assert sent["all_gather"] + sent["reduce_scatter"] == pytest.approx(10 * (t - 1) / t * bshe)
+        terms = block_comm_terms(shape)
+        backward = {k: two["backward"]["bytes"][k] - one["backward"]["bytes"][k] for k in sent}
+        regather = terms["backward: re-gathers of the saved s/t tokens"][1]
+        assert backward["all_gather"] == pytest.approx(
+            terms["backward: their all-gathers"][1] + regather, rel=1e-12)
+        assert regather == pytest.approx(2 * (t - 1) / t * bshe)
+        assert {k: two["backward"]["calls"][k] - one["backward"]["calls"][k] for k in sent} == {
+            "all_reduce": 2, "all_gather": 4, "reduce_scatter": 2}
     else:
         assert sent["all_reduce"] == pytest.approx(4 * 2 * (t - 1) / t * bshe)
 
 
-def test_activation_memory_matches_the_formula_for_t_1_2_4_with_and_without_sp(pools):
-    """The saved-tensor ledger's peak, whole model and per layer (2 layers minus 1), within 10%
-    of formulas.py (it is exact to the byte here), and SP saves for t > 1."""
+def test_activation_memory_equals_the_formula_to_the_byte(pools):
+    """The saved-tensor ledger's peak, whole model and per layer (2 layers minus 1), equals
+    formulas.py's count to the byte for t = 1, 2, 4 with and without SP. With SP every term of a
+    layer holds s/t tokens, the norm outputs the column layers read included (they save the
+    local slice and gather it again in backward): t × a layer's bytes is the same at every t."""
     b, s = 2, 8
     cfgs = [get_config("small", n_layers=n, n_kv_heads=2) for n in (1, 2)]
     measured = {}
@@ -418,11 +444,12 @@ def test_activation_memory_matches_the_formula_for_t_1_2_4_with_and_without_sp(p
             one, two = (pools.run(t, metered_forward_backward, cfg, b, s, sp)[0]["activations"]
                         for cfg in cfgs)
             shape = _shape(cfgs[1], b, s, t, sp, torch.float64)
-            assert two == pytest.approx(model_activation_bytes(shape), rel=0.1)
-            assert two - one == pytest.approx(layer_activation_bytes(shape), rel=0.1)
+            assert two == model_activation_bytes(shape), (t, sp)
+            assert two - one == layer_activation_bytes(shape), (t, sp)
             measured[t, sp] = two - one
     for t in (2, 4):
         assert measured[t, True] < measured[t, False] < measured[1, False]
+        assert measured[t, True] * t == measured[1, True]
 
 
 # --- the demo: flags, report, bad input ------------------------------------------------------
@@ -456,9 +483,9 @@ def test_bad_input_fails_on_every_rank_before_any_collective(pools, argv, cfg, m
 
 def train_cli(argv: list[str]) -> dict:
     args = tp_train.parse_args(argv)
-    layout = tp_train.validate(args, dist.get_world_size())
+    run = tp_train.validate(args, dist.get_world_size())
     ctx = init_distributed()
-    return train(args, ctx, tp_train.build(args, ctx, layout), layout, 5)
+    return train(run, ctx, tp_train.build(run, ctx), 5)
 
 
 @pytest.mark.parametrize("flags", [["--tp", "4"], ["--tp", "2", "--sequence-parallel", "--clip-grad", "1"]])

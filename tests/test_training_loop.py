@@ -4,6 +4,7 @@ only against the interface is checked in a few lines, and a broken one is caught
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 from collections import Counter
 from collections.abc import Callable
@@ -20,9 +21,11 @@ import data_parallel.train as dp_train
 from common.data import SyntheticTokens
 from common.dist import init_distributed
 from common.memory import CudaPeakMeter
+from common.mesh import MeshShape
 from common.model import get_config
 from common.profile import WINDOW_PREFIXES, load_events, rank_lanes
-from common.training import measure_activations, rank_micro_batches, run
+from common.run import Run
+from common.training import build_and_train, measure_activations, rank_micro_batches
 from data_parallel.train import STRATEGIES, DataParallelStrategy
 from fsdp.torch_fsdp2 import fsdp2_unavailable
 from tests.equivalence import (
@@ -30,14 +33,14 @@ from tests.equivalence import (
     check_strategy,
     check_strategy_rejected,
     data_parallel_specs,
-    spec_args,
+    spec_run,
     with_spec,
 )
 
 
 def data_parallel_strategy(spec: TrainSpec, strategy: str = "ddp", bucket_mb: float = 25.0):
-    args = spec_args(spec, strategy=strategy, bucket_mb=bucket_mb)
-    return DataParallelStrategy(args, init_distributed(), STRATEGIES[strategy])
+    run = spec_run(spec, dp_train.validate, strategy=strategy, bucket_mb=bucket_mb)
+    return DataParallelStrategy(run, init_distributed(), STRATEGIES[strategy])
 
 
 class PartialNormClipping(DataParallelStrategy):
@@ -49,8 +52,8 @@ class PartialNormClipping(DataParallelStrategy):
 
 
 def broken_clipping_strategy(spec: TrainSpec):
-    args = spec_args(spec, strategy="ddp", bucket_mb=25.0)
-    return PartialNormClipping(args, init_distributed(), STRATEGIES["ddp"])
+    run = spec_run(spec, dp_train.validate, strategy="ddp", bucket_mb=25.0)
+    return PartialNormClipping(run, init_distributed(), STRATEGIES["ddp"])
 
 
 @given(spec=data_parallel_specs(), clip=st.sampled_from([None, 1e-3, 1e3]),
@@ -146,11 +149,11 @@ class WindowTracker(dp_train.DataParallelStrategy):
 def host_reads_of_a_run(argv: list[str]) -> tuple[Counter, dict]:
     args = dp_train.parse_args(["--model", "tiny", "--seq-len", "8", "--global-batch", "8",
                                 "--grad-accum", "2", "--data", "synthetic", "--steps", "3", *argv])
-    layout = dp_train.validate(args, dist.get_world_size())
+    run = dp_train.validate(args, dist.get_world_size())
     reads: Counter = Counter()
-    build = lambda a, ctx, _: WindowTracker(a, ctx, dp_train.STRATEGIES[a.strategy])  # noqa: E731
+    build = lambda r, ctx: WindowTracker(r, ctx, dp_train.STRATEGIES[r.options.strategy])  # noqa: E731
     with counting_host_reads(reads, lambda: WindowTracker.part):
-        report = run(args, init_distributed(), layout, build, 1)
+        report = build_and_train(run, init_distributed(), build, 1)
     parts: Counter = Counter()
     for (part, *_), n in reads.items():
         parts[part] += n
@@ -176,10 +179,10 @@ def forward_backward_reads(module: str, argv: list[str]) -> tuple[Counter, bool]
     this rank returned a loss, which must then be a 0-dim tensor)."""
     chapter = importlib.import_module(module)
     args = chapter.parse_args(["--model", "tiny", "--seq-len", "8", "--data", "synthetic", *argv])
-    layout = chapter.validate(args, dist.get_world_size())
-    strategy = chapter.build(args, init_distributed(), layout)
-    tokens = SyntheticTokens(256, 8, 0).global_batch(0, args.global_batch)
-    micro = rank_micro_batches(strategy, tokens, layout.micro_batch, torch.device("cpu"))
+    run = chapter.validate(args, dist.get_world_size())
+    strategy = chapter.build(run, init_distributed())
+    tokens = SyntheticTokens(256, 8, 0).global_batch(0, run.global_batch)
+    micro = rank_micro_batches(strategy, tokens, run.micro_batch, torch.device("cpu"))
     reads: Counter = Counter()
     with counting_host_reads(reads, lambda: "forward_backward"):
         loss = strategy.forward_backward(micro)
@@ -283,10 +286,10 @@ def test_cuda_peak_counts_the_windows_only_and_not_the_check_reference():
 
 def test_activation_meter_is_opt_in_on_cuda_only():
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert measure_activations(argparse.Namespace(), cpu)
-    assert not measure_activations(argparse.Namespace(), cuda)
-    assert measure_activations(argparse.Namespace(measure_activations=True), cuda)
-    assert not measure_activations(argparse.Namespace(measure_activations=False), cpu)
+    assert measure_activations(None, cpu)
+    assert not measure_activations(None, cuda)
+    assert measure_activations(True, cuda)
+    assert not measure_activations(False, cpu)
 
 
 # --- --profile DIR: a trace per rank of the timed windows, the numbers unchanged -----------------
@@ -296,7 +299,7 @@ def profiled_ddp_run(directory: str | None) -> dict:
     argv = ["--model", "tiny", "--seq-len", "8", "--global-batch", "4", "--data", "synthetic",
             "--steps", "2", "--bucket-mb", "0.01", "--log-every", "0"]
     args = dp_train.parse_args(argv + (["--profile", directory] if directory else []))
-    return run(args, init_distributed(), dp_train.validate(args, 2), dp_train.build, 1)
+    return build_and_train(dp_train.validate(args, 2), init_distributed(), dp_train.build, 1)
 
 
 def test_profile_traces_the_bucket_all_reduces_inside_backward_and_changes_no_number(pools, tmp_path):
@@ -319,3 +322,46 @@ def test_profile_traces_the_bucket_all_reduces_inside_backward_and_changes_no_nu
             assert len(starts) == len(in_backward) == buckets_per_step, (name, len(starts))
         _, lanes = rank_lanes(events)
         assert lanes["backward"] and lanes["communication"] and lanes["optimizer"]
+
+
+# --- one run per chapter: validate returns it, frozen, and the namespace stops there ---------------
+
+CHAPTER_ARGV = {  # one demo command line per chapter's validate (05 twice: TP and EP), on 4 ranks
+    "data_parallel.train": ["--strategy", "naive", "--grad-accum", "2"],
+    "ring_allreduce.train": ["--algorithm", "naive", "--bench-mb", "0"],
+    "zero.train": ["--stage", "3", "--clip-grad", "1.0"],
+    "fsdp.train": ["--sharding-strategy", "HYBRID_SHARD", "--nodes", "2", "--no-sync"],
+    "tensor_parallel.train": ["--tp", "2", "--sequence-parallel"],
+    "tensor_parallel.train ep": ["--model", "tiny-moe", "--ep", "2"],
+    "pipeline.train": ["--schedule", "interleaved", "--microbatches", "4"],
+    "parallel3d.train": ["--tp", "2", "--pp", "2", "--schedule", "interleaved"],
+}
+
+
+def namespaces_inside(value, path: str = "run") -> list[str]:
+    """Where an argparse namespace (or any non-frozen dataclass) hides in a run's values."""
+    if isinstance(value, argparse.Namespace):
+        return [path]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        found = [] if value.__dataclass_params__.frozen else [f"{path} (not frozen)"]
+        return found + [p for f in dataclasses.fields(value)
+                        for p in namespaces_inside(getattr(value, f.name), f"{path}.{f.name}")]
+    if isinstance(value, (list, dict)):
+        return [f"{path} (mutable {type(value).__name__})"]
+    if isinstance(value, tuple):
+        return [p for i, v in enumerate(value) for p in namespaces_inside(v, f"{path}[{i}]")]
+    return []
+
+
+@pytest.mark.parametrize("chapter", list(CHAPTER_ARGV))
+def test_validate_returns_a_frozen_run_that_holds_no_namespace(chapter):
+    """The strategy, the loop and the report take the run alone: every value resolved once, in
+    validation, into frozen dataclasses (the mesh shape and the chapter's options among them)."""
+    module = importlib.import_module(chapter.split()[0])
+    argv = ["--model", "tiny", "--data", "synthetic", "--global-batch", "8", *CHAPTER_ARGV[chapter]]
+    run = module.validate(module.parse_args(argv), 4)
+    assert isinstance(run, Run) and isinstance(run.mesh, MeshShape) and run.mesh.world == 4
+    assert namespaces_inside(run) == []
+    assert run.global_batch == run.mesh.dp * run.grad_accum * run.micro_batch
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.steps = 1

@@ -18,6 +18,8 @@ from common.comm import CommMeter
 from common.dist import init_distributed
 from common.forkrun import torchrun_forked
 from common.model import TransformerBlock, build_model, get_config
+from common.patch import patch_dist
+from common.run import Run
 from common.training import rank_micro_batches, train
 from tests.equivalence import (
     TrainSpec,
@@ -37,20 +39,20 @@ CONFIGS = zero_train.__file__.replace("train.py", "configs")
 REPO = Path(__file__).resolve().parent.parent
 
 
-def zero_args(spec: TrainSpec, stage: int, offload: bool = False, bucket: float | None = None,
-              threshold: float | None = 0, config: str | None = None, overlap: bool = True):
-    """(args, the RunConfig validate resolved from them)."""
+def zero_run(spec: TrainSpec, stage: int, offload: bool = False, bucket: float | None = None,
+             threshold: float | None = 0, config: str | None = None, overlap: bool = True) -> Run:
+    """The run validate resolves from these flags (its options: the engine's ZeroConfig)."""
     args = spec_args(spec, stage=stage, offload=offload, config=config, reduce_bucket_size=bucket,
                      allgather_bucket_size=None, param_persistence_threshold=threshold,
                      no_overlap=not overlap)
-    return args, zero_train.validate(args, spec.dp_size)
+    return zero_train.validate(args, spec.dp_size)
 
 
 def zero_strategy(spec: TrainSpec, stage: int, offload: bool = False, bucket: float | None = None,
                   threshold: float | None = 0, overlap: bool = True, cls=None):
     """Built on every rank exactly as train.py builds it (flags → validate → strategy)."""
-    args, run = zero_args(spec, stage, offload, bucket, threshold, overlap=overlap)
-    strategy = zero_train.ZeroStrategy(args, init_distributed(), run)
+    strategy = zero_train.ZeroStrategy(zero_run(spec, stage, offload, bucket, threshold, overlap=overlap),
+                                       init_distributed())
     if cls is not None:  # a broken engine for the negative controls
         strategy.engine.__class__ = cls
         strategy.engine.break_it()
@@ -174,8 +176,8 @@ def grouped_strategy(spec: TrainSpec, stage: int):
     """World 4 as two data-parallel groups {0, 1} and {2, 3}, each a full ZeRO replica."""
     rank = dist.get_rank()
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both, in order
-    args, run = zero_args(spec, stage, bucket=50)
-    return zero_train.ZeroStrategy(args, init_distributed(), run, process_group=groups[rank // 2])
+    return zero_train.ZeroStrategy(zero_run(spec, stage, bucket=50), init_distributed(),
+                                   process_group=groups[rank // 2])
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -262,20 +264,17 @@ def gathered_units(stage: int) -> dict:
         mod.register_forward_pre_hook(lambda *args: seen.append(count()))
     first = engine.groups[-1 if stage < 3 else 0].params[0]  # the last gradient backward produces
     first.register_post_accumulate_grad_hook(lambda p: events.append("last grad"))
-    reduce_scatter = dist.reduce_scatter_single if hasattr(dist, "reduce_scatter_single") else None
-    name = "reduce_scatter_single" if reduce_scatter else "reduce_scatter_tensor"
-    original = getattr(dist, name)
+    name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
 
-    def launching(*args, **kwargs):
-        events.append("launch")
-        return original(*args, **kwargs)
+    def launching(original):
+        def launch(*args, **kwargs):
+            events.append("launch")
+            return original(*args, **kwargs)
+        return launch
 
-    setattr(dist, name, launching)
-    try:
+    with patch_dist({name: launching}):
         micro = spec.data().global_batch(0, 4).chunk(2)[dist.get_rank()].split(2)
         strategy.forward_backward(list(micro))
-    finally:
-        setattr(dist, name, original)
     after = count()
     strategy.step()
     return {"during": max(seen, default=0), "after_backward": after, "after_step": count(),
@@ -342,8 +341,7 @@ class PerModuleUnits(zero_train.ZeroStrategy):
 
 
 def per_module_strategy(spec: TrainSpec) -> zero_train.ZeroStrategy:
-    args, run = zero_args(spec, 3, bucket=50, threshold=40)
-    return PerModuleUnits(args, init_distributed(), run)
+    return PerModuleUnits(zero_run(spec, 3, bucket=50, threshold=40), init_distributed())
 
 
 def test_stage_3_with_one_unit_per_module_still_equals_single_device(pools):
@@ -447,7 +445,7 @@ def test_shipped_configs_parse_as_the_issue_writes_them():
     assert padded_size(10, 4) == 12 and padded_size(12, 4) == 12
 
 
-def validate_argv(argv: list[str]) -> zero_train.RunConfig:
+def validate_argv(argv: list[str]) -> Run:
     return zero_train.validate(zero_train.parse_args(argv), dist.get_world_size())
 
 
@@ -481,28 +479,28 @@ def test_bad_input_fails_on_every_rank_before_any_collective(pools, tmp_path, ar
 
 
 def test_config_sets_the_batch_layout_and_global_batch_and_leaves_args_as_typed():
-    """validate resolves the file under the flags into a frozen RunConfig; `args` keeps what the
-    user typed (the loop reads global_batch, clip_grad and mixed_precision from the config)."""
+    """validate resolves the file under the flags into the frozen run: its options are the
+    engine's ZeroConfig, its global batch, clipping and mixed precision the config's; `args` keeps
+    what the user typed."""
     argv = ["--config", f"{CONFIGS}/stage2.json"]
     args = zero_train.parse_args(argv)
     run = zero_train.validate(args, 4)
     assert (run.micro_batch, run.grad_accum, run.global_batch) == (2, 4, 32)
-    assert run.mixed_precision == "bf16" and run.clip_grad == 1.0 and run.zero.stage == 2
-    assert run.zero.gradient_accumulation_steps == 4 and run.zero.train_micro_batch_size_per_gpu == 2
+    assert run.mixed_precision == "bf16" and run.clip_grad == 1.0 and run.options.stage == 2
+    assert run.options.gradient_accumulation_steps == 4 and run.options.train_micro_batch_size_per_gpu == 2
     assert vars(args) == vars(zero_train.parse_args(argv))
     with pytest.raises(FrozenInstanceError):
         run.global_batch = 16
     args = zero_train.parse_args(["--config", f"{CONFIGS}/stage3.json", "--stage", "3"])
     run = zero_train.validate(args, 4)
-    assert (run.micro_batch, run.grad_accum) == (4, 1) and run.zero.offload_param == "cpu"
+    assert (run.micro_batch, run.grad_accum) == (4, 1) and run.options.offload_param == "cpu"
 
 
 # --- train.py end to end through the shared loop ------------------------------------------------
 def train_cli(argv: list[str]) -> dict:
-    args = zero_train.parse_args(argv)
-    run = zero_train.validate(args, dist.get_world_size())
+    run = zero_train.validate(zero_train.parse_args(argv), dist.get_world_size())
     ctx = init_distributed()
-    return train(args, ctx, zero_train.build(args, ctx, run), run, chapter=3)
+    return train(run, ctx, zero_train.build(run, ctx), chapter=3)
 
 
 CLI = ["--model", "tiny", "--steps", "2", "--seq-len", "8", "--check", "--data", "synthetic",

@@ -77,8 +77,10 @@ def max_relative_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
     return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-30)).item() for k in b)
 
 
-def user_loop(stage: int, ownership: str, optimizer: str, scheduler: str) -> dict:
-    """3 steps, a consolidated state_dict into a fresh model + optimizer + scheduler, 3 more;
+def user_loop(stage: int, ownership: str, optimizer: str, scheduler: str, path: str) -> dict:
+    """3 steps, a master-only save of model + optimizer + scheduler (torch's ZeroRedundancyOptimizer
+    way: consolidate_state_dict(to=0) on every rank, then rank 0 alone calls state_dict() and
+    torch.save), every rank loading the file into a fresh model + optimizer + scheduler, 3 more;
     single-device torch alongside (every rank runs it on the whole batch)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model(0)
@@ -89,15 +91,22 @@ def user_loop(stage: int, ownership: str, optimizer: str, scheduler: str) -> dic
     train_steps(model, opt, sched, range(3), rank, world)
     train_steps(reference, ref_opt, ref_sched, range(3), 0, 1)
 
-    saved, ref_saved = opt.state_dict(), ref_opt.state_dict()
-    assert saved["param_groups"] == ref_saved["param_groups"]  # settings, lr, initial_lr: torch's
-    state_diff = max(max_relative_diff(saved["state"][i], ref_saved["state"][i]) for i in ref_saved["state"])
+    opt.consolidate_state_dict(to=0)
+    state_diff = None
+    if rank == 0:  # the other ranks call nothing: a collective state_dict() would hang here
+        saved, ref_saved = opt.state_dict(), ref_opt.state_dict()
+        assert saved["param_groups"] == ref_saved["param_groups"]  # settings, lr, initial_lr: torch's
+        state_diff = max(max_relative_diff(saved["state"][i], ref_saved["state"][i])
+                         for i in ref_saved["state"])
+        torch.save({"model": model.state_dict(), "optimizer": saved, "scheduler": sched.state_dict()}, path)
+    dist.barrier()
 
-    resumed = make_model(1)  # other values: everything must come from the checkpoints
-    resumed.load_state_dict(model.state_dict())
+    checkpoint = torch.load(path)
+    resumed = make_model(1)  # other values: everything must come from the checkpoint
+    resumed.load_state_dict(checkpoint["model"])
     opt, sched2 = build(resumed, zero, optimizer, scheduler)
-    opt.load_state_dict(saved)
-    sched2.load_state_dict(sched.state_dict())
+    opt.load_state_dict(checkpoint["optimizer"])
+    sched2.load_state_dict(checkpoint["scheduler"])
     train_steps(resumed, opt, sched2, range(3, 6), rank, world)
     train_steps(reference, ref_opt, ref_sched, range(3, 6), 0, 1)
     return {"state": state_diff, "lr": [g["lr"] for g in opt.param_groups],
@@ -113,11 +122,159 @@ def user_loop(stage: int, ownership: str, optimizer: str, scheduler: str) -> dic
     pytest.param(2, 1, "parameter", "adafactor", "lambda",
                  marks=pytest.mark.skipif(not HAS_ADAFACTOR, reason="torch.optim.Adafactor: torch >= 2.5")),
 ])
-def test_zero_optimizer_in_a_users_loop_equals_single_device(pools, world, stage, ownership, optimizer,
-                                                             scheduler):
-    for result in pools.run(world, user_loop, stage, ownership, optimizer, scheduler):
-        assert result["state"] <= 1e-10 and result["params"] <= 1e-10, result
+def test_zero_optimizer_in_a_users_loop_equals_single_device(pools, tmp_path, world, stage, ownership,
+                                                             optimizer, scheduler):
+    """Also: the master-only save does not hang (state_dict() is local)."""
+    results = pools.run(world, user_loop, stage, ownership, optimizer, scheduler, str(tmp_path / "ckpt.pt"))
+    assert results[0]["state"] <= 1e-10, results[0]
+    for result in results:
+        assert result["params"] <= 1e-10, result
         assert result["lr"] == result["ref_lr"], result
+
+
+def bf16_resume(stage: int, path: str) -> dict:
+    """bf16 mixed precision: 2 steps, a master-only save, a fresh fp32 model of other values whose
+    weights are NOT loaded (the fp32 "master" values in the optimizer's state dict carry them),
+    then 1 step on both: the resumed run equals the uninterrupted one bit for bit."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    runs = []
+    for seed in (0, 1):
+        model = make_model(seed).float()
+        runs.append((model, ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, bf16=True,
+                                          lr=1e-2, foreach=False)))
+
+    def train(model, opt, steps) -> None:
+        for step in steps:
+            x, y = batch(step)
+            F.mse_loss(model(x[rows].to(torch.bfloat16)).float(), y[rows].float()).backward()
+            opt.step()
+            opt.zero_grad()
+
+    (model, opt), (resumed, fresh) = runs
+    train(model, opt, range(2))
+    opt.consolidate_state_dict(to=0)
+    if rank == 0:
+        torch.save(opt.state_dict(), path)
+    dist.barrier()
+    fresh.load_state_dict(torch.load(path))  # local: each rank writes its whole flat parameters
+    train(model, opt, [2])
+    train(resumed, fresh, [2])
+    pairs = [*zip(model.parameters(), resumed.parameters(), strict=True),
+             *zip(opt.full_parameters().values(), fresh.full_parameters().values(), strict=True)]
+    return {"same": all(torch.equal(a, b) for a, b in pairs)}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bf16_resume_from_the_masters_alone_is_bitwise(pools, tmp_path, stage):
+    assert pools.run(2, bf16_resume, stage, str(tmp_path / "opt.pt")) == [{"same": True}] * 2
+
+
+def torch_way_zero(ours: bool) -> dict:
+    """One user's ZeroRedundancyOptimizer code, as torch's docs write it, run on torch's (with
+    torch's DDP averaging the gradients, its documented partner) and on ZeroOptimizer (which
+    reduces them itself): ZeroOptimizer(params, optimizer_class, process_group, ...) with torch's
+    keywords, add_param_group(param_group), an lr set through param_groups, step(closure),
+    zero_grad(set_to_none=False), consolidate_state_dict(to=1) then state_dict() on rank 1 (and
+    the error on rank 0), load_state_dict(state_dict) into a fresh optimizer, one more step."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    ZeroRedundancyOptimizer = ZeroOptimizer if ours else TorchZeRO  # the code below is torch's
+    model = make_model(0)
+    net = model if ours else DistributedDataParallel(model)
+
+    def build():
+        decay, no_decay = param_groups(model)
+        opt = ZeroRedundancyOptimizer(params=decay["params"], optimizer_class=torch.optim.AdamW,
+                                      process_group=None, parameters_as_bucket_view=False,
+                                      overlap_with_ddp=False, lr=1e-2, weight_decay=0.1, foreach=False)
+        opt.add_param_group(param_group=no_decay)
+        return opt
+
+    def step(opt, s: int):
+        x, y = batch(s)
+
+        def closure():
+            loss = F.mse_loss(net(x[rows]), y[rows])
+            loss.backward()
+            return loss
+
+        loss = opt.step(closure=closure)
+        opt.zero_grad(set_to_none=False)
+        return loss.item()
+
+    opt = build()
+    losses = [step(opt, 0)]
+    for group in opt.param_groups:
+        group["lr"] = 5e-3
+    losses.append(step(opt, 1))
+    opt.consolidate_state_dict(to=1)
+    try:
+        saved, error = opt.state_dict(), None
+    except RuntimeError as e:
+        saved, error = None, str(e)
+    facts = {"rank": opt.rank, "optim": type(opt.optim).__name__, "error": error}
+    whole = [saved]
+    dist.broadcast_object_list(whole, src=1)  # rank 1's file, as every rank would torch.load it
+    opt = build()
+    opt.load_state_dict(state_dict=copy.deepcopy(whole[0]))  # torch's load writes None into the dict
+    losses.append(step(opt, 2))
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    net = opt = None  # torch's DDP and ZeRO hold the process group: gone before the pool's next call
+    return {"losses": losses, "saved": saved, "params": params, **facts}
+
+
+def test_torchs_zero_redundancy_optimizer_calls_give_torchs_results(pools):
+    """The same losses, the same consolidated state dict (format and values) on rank 1, torch's
+    error on rank 0, the same resumed parameters (float64, 1e-10); rank and optim mean the same."""
+    theirs, ours = (pools.run(2, torch_way_zero, flag) for flag in (False, True))
+    for rank in (0, 1):
+        t, o = theirs[rank], ours[rank]
+        assert o["losses"] == pytest.approx(t["losses"], rel=1e-10)
+        assert max_relative_diff(o["params"], t["params"]) <= 1e-10
+        assert (o["rank"], o["optim"], o["error"]) == (t["rank"], t["optim"], t["error"])
+    t, o = theirs[1]["saved"], ours[1]["saved"]
+    assert o["param_groups"] == t["param_groups"] and list(o["state"]) == list(t["state"])
+    assert max(max_relative_diff(o["state"][i], t["state"][i]) for i in t["state"]) <= 1e-10
+
+
+def zero_with(key: str) -> None:
+    ZeroOptimizer(make_model(0).parameters(), torch.optim.SGD, lr=0.1, **{key: True})
+
+
+@pytest.mark.parametrize("key", ["parameters_as_bucket_view", "overlap_with_ddp"])
+def test_zero_redundancy_options_it_cannot_honour_fail_naming_the_fix(pools, key):
+    with pytest.raises(RankError, match=rf"{key}=True is not implemented here: .*drop it"):
+        pools.run(2, zero_with, key)
+
+
+def unconsolidated_state_dict(to: int | None) -> dict:
+    """state_dict() on every rank, before (`to` None) or after consolidate_state_dict(to)."""
+    model = make_model(0)
+    opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=2, lr=1e-2)
+    x, y = batch(0)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    if to is not None:
+        opt.consolidate_state_dict(to=to)
+    try:
+        return {"state": len(opt.state_dict()["state"])}
+    except RuntimeError as error:
+        return {"error": str(error)}
+
+
+def test_state_dict_without_consolidation_raises_torchs_error_naming_the_call(pools):
+    """torch's message, word for word; after consolidate_state_dict(to=1) only rank 1 holds it."""
+    for rank, result in enumerate(pools.run(2, unconsolidated_state_dict, None)):
+        assert result["error"] == (
+            "Optimizer state has not been consolidated on this rank. Please call "
+            f"`consolidate_state_dict(to={rank})` on all ranks beforehand if you meant to save the "
+            "global state."), result
+    first, second = pools.run(2, unconsolidated_state_dict, 1)
+    assert "`consolidate_state_dict(to=0)`" in first["error"] and second == {"state": 6}, (first, second)
 
 
 def slice_adafactor() -> None:

@@ -156,7 +156,7 @@ def consolidate(path: str | Path, model: str | None = None) -> tuple[dict[str, t
     return state, get_config(model) if model else model_config_of(meta)
 
 
-def save_state_dict(state: dict[str, torch.Tensor], path: Path) -> Path:
+def save_weights(state: dict[str, torch.Tensor], path: Path) -> Path:
     """safetensors for a .safetensors path (needs the package), torch.save otherwise."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.suffix == ".safetensors":
@@ -171,7 +171,7 @@ def save_state_dict(state: dict[str, torch.Tensor], path: Path) -> Path:
     return path
 
 
-def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+def load_weights(path: Path) -> dict[str, torch.Tensor]:
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
         return load_file(str(path))
@@ -186,9 +186,9 @@ def export_hf(state: dict[str, torch.Tensor], cfg: LlamaConfig, out: Path) -> Pa
     (out / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=2) + "\n")
     try:
         import safetensors  # noqa: F401
-        return save_state_dict(hf, out / "model.safetensors")
+        return save_weights(hf, out / "model.safetensors")
     except ImportError:
-        return save_state_dict(hf, out / "pytorch_model.bin")
+        return save_weights(hf, out / "pytorch_model.bin")
 
 
 def import_hf(directory: Path) -> tuple[dict[str, torch.Tensor], LlamaConfig]:
@@ -198,7 +198,7 @@ def import_hf(directory: Path) -> tuple[dict[str, torch.Tensor], LlamaConfig]:
     file = next((f for f in files if f.exists()), None)
     if file is None:
         raise SystemExit(f"{directory}: no model.safetensors or pytorch_model.bin")
-    return from_hf(load_state_dict(file), cfg), cfg
+    return from_hf(load_weights(file), cfg), cfg
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,10 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.from_hf:
             state, cfg = import_hf(Path(args.path))
-            written = save_state_dict(state, out)
+            written = save_weights(state, out)
         else:
             state, cfg = consolidate(args.path, args.model)
-            written = export_hf(state, cfg, out) if args.hf else save_state_dict(state, out)
+            written = export_hf(state, cfg, out) if args.hf else save_weights(state, out)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -5,7 +5,7 @@
         --global-batch 128                     # long context: where CP becomes necessary
     python -m parallel3d.planner --article      # the source article's numbers and table
     python -m parallel3d.planner --published    # predicted against published runs
-    python -m parallel3d.planner --published --write-readme   # ... into 07_3d/README.md
+    python -m parallel3d.planner --write-readme   # both tables into 07_3d/planner/README.md
     python -m parallel3d.planner --model deepseek-v3 --gpus 2048 --gpu H800 --global-batch 15360
 """
 
@@ -17,13 +17,16 @@ from parallel3d.memory_model import GB, PRECISIONS, total_parameters
 from parallel3d.planner.hardware import GPUS, gpu
 from parallel3d.planner.moe import moe_parameters
 from parallel3d.planner.pricing import MODELS, MOE_MODELS, model_of, plan, recommend
-from parallel3d.planner.published import README, published_report, write_readme
+from parallel3d.planner.published import MARKER, README, published_report, published_table, write_readme
 from parallel3d.planner.report import (
+    STRATEGY_MARKER,
     article_alternative,
     article_report,
     article_row,
+    assumptions,
     cp_verdict,
     format_plans,
+    strategy_table,
     why_not,
 )
 
@@ -42,7 +45,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="sequences per optimizer step (default: 4M tokens)")
     p.add_argument("--precision", choices=PRECISIONS, default="mixed",
                    help="bytes per parameter: article (2+2+4), mixed (2+2+12), fp32 (4+4+8)")
-    p.add_argument("--eager-attention", action="store_true", help="keep the s×s scores (no flash)")
+    p.add_argument("--eager-attention", action="store_true",
+                   help="keep the s×s scores (no flash attention; the default assumes it)")
+    p.add_argument("--no-sequence-parallel", action="store_true",
+                   help="TP without sequence parallelism (the default puts SP at every TP > 1)")
     p.add_argument("--headroom", type=float, default=0.9, help="usable fraction of GPU memory")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--skew", type=float, default=1.0,
@@ -52,20 +58,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--published", action="store_true",
                    help="price published runs at their layouts, beside their measured throughput")
     p.add_argument("--write-readme", action="store_true",
-                   help="with --published: rewrite 07_3d/README.md's generated table")
+                   help="rewrite the generated tables of 07_3d/planner/README.md (strategy by size, "
+                        "published runs)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.write_readme:
+        changed = write_readme({STRATEGY_MARKER: strategy_table(), MARKER: published_table()})
+        print(f"{README}: {'rewritten' if changed else 'up to date'}")
+        return 0
     if args.article:
         print(article_report())
         return 0
     if args.published:
-        if args.write_readme:
-            print(f"{README}: {'rewritten' if write_readme() else 'up to date'}")
-        else:
-            print(published_report())
+        print(published_report())
         return 0
     cfg, moe = model_of(args.model)
     batch = args.global_batch or max(1, 4 * 2**20 // args.seq_len)
@@ -82,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     hw = gpu(args.gpu, gpus_per_node=args.gpus_per_node)
     plans = plan(cfg, args.gpus, args.gpu_mem_gb, args.seq_len, batch, hw, args.precision,
-                 args.headroom, args.eager_attention, moe, args.skew)
+                 args.headroom, args.eager_attention, moe, args.skew,
+                 sequence_parallel=not args.no_sequence_parallel)
     n = moe_parameters(cfg, moe) if moe else total_parameters(cfg)
     active = f" ({moe_parameters(cfg, moe, True) / 1e9:.2f}B active)" if moe else ""
     print(f"{args.model}: {n / 1e9:.2f}B parameters{active}, "
@@ -95,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     best = recommend(plans)
     rows, advice, pp_range = article_row(n)
     print(f"\nrecommended: {best.layout.describe() if best else 'nothing fits: add GPUs'}")
+    print(f"  assumes {assumptions(not args.eager_attention, not args.no_sequence_parallel)}")
     if best:
         print(f"  {best.memory['total'] / GB:.1f} GB per GPU, step ≈ {best.step_s:.2f} s, "
               f"MFU ≈ {best.mfu:.0%}")

@@ -1,7 +1,9 @@
 """The planner's hardware constants, each with its source, in one place.
 
 A GPU is its dense matmul peak (bf16/fp16, no sparsity), the NVLink bandwidth per GPU in one
-direction inside a node, and the network bandwidth per GPU between nodes (one NIC per GPU). The
+direction inside a node, and the network bandwidth per GPU between nodes (one NIC per GPU). A
+ring collective whose group has k members in a node uses those k NICs (`ring_bandwidth`: DP and
+ZeRO's collectives); point-to-point sends and all-to-alls go through each GPU's own NIC. The
 step-time model (pricing.py) assumes every matmul runs at `ACHIEVED_EFFICIENCY` of the peak,
 whatever its shape: one number for every GPU, model size and micro-batch, which is the model's
 main simplification (the bf16 runs it is checked against reach from a third to 58% of their
@@ -32,11 +34,23 @@ class Hardware:
     pod_gpus: int = 3072            # GPUs under one aggregation layer (Llama 3's cluster) ...
     oversubscription: float = 7.0   # ... and the bandwidth division beyond it (1:7)
 
-    def bandwidth(self, span: int) -> float:
-        """Bytes/s per GPU of a collective whose ranks span `span` consecutive GPUs."""
+    def bandwidth(self, span: int, nics: int = 1) -> float:
+        """Bytes/s per GPU of a collective whose ranks span `span` consecutive GPUs: NVLink
+        inside a node; across nodes `nics` NICs per member's traffic (at most NVLink's rate),
+        divided by the oversubscription beyond a pod."""
         if span <= self.gpus_per_node:
             return self.nvlink_gbps * GB
-        return self.network_gbps * GB / (1.0 if span <= self.pod_gpus else self.oversubscription)
+        fabric = 1.0 if span <= self.pod_gpus else self.oversubscription
+        return min(self.nvlink_gbps, nics * self.network_gbps) * GB / fabric
+
+    def ring_bandwidth(self, n: int, stride: int) -> float:
+        """Bytes/s per GPU of a ring collective (all-reduce, all-gather, reduce-scatter) over n
+        ranks `stride` GPUs apart (a DP group over dp·cp strides t: mesh order tp, cp, dp, pp). A node holds
+        k = min(n, gpus_per_node / stride) of them, each with its own NIC, and NCCL runs a ring
+        per NIC (channels), each carrying 1/k of the data through one NIC per node: k NICs'
+        bandwidth per member, at t < 8 (8/t members per node) up to 8× one NIC's."""
+        members = max(1, min(n, self.gpus_per_node // stride))
+        return self.bandwidth(n * stride, members)
 
 
 # A GPU and the cluster around it. The pod and oversubscription defaults are Llama 3's cluster

@@ -7,8 +7,9 @@ router sends every token to k, and S shared experts every token passes through; 
 
     parameters   P = L·attn + first_dense·3hH + L_m·(h·E + (E + S)·3h·F_e) + 2Vh
     active       A = the same with E → k experts (the router's h·E still runs for every token)
-    compute      6A + 12·L·h·s per token (PaLM's count on the active parameters); with EP, the rank that
-                 receives the most tokens does skew × the mean expert work, and the step waits
+    compute      6A + attention per token (pricing's model FLOPs on the active parameters);
+                 with EP, the rank that receives the most tokens does skew × the mean expert
+                 work, and the step waits
     memory       a GPU holds E/ep experts of each of its MoE blocks (TP-split like a dense FFN);
                  ZeRO shards them over the dp·cp/ep ranks holding the same experts, everything
                  else over dp·cp, as in a dense model; optimizer state likewise
@@ -33,6 +34,7 @@ from parallel3d.memory_model import (
     ACT_BYTES,
     PRECISIONS,
     Layout,
+    attention_flops_per_token,
     head_activation_bytes,
     in_flight_microbatches,
     layer_activation_bytes,
@@ -100,11 +102,13 @@ def moe_parameters(cfg: LlamaConfig, moe: MoEShape, active: bool = False) -> int
 
 
 def moe_flops_per_token(cfg: LlamaConfig, moe: MoEShape, seq_len: int, skew: float = 1.0) -> float:
-    """6A + 12·L·h·s (A without the input embedding, a lookup), the routed experts' share ×
-    skew: the busiest expert rank's work, which the step waits for."""
+    """The dense model's definition (pricing.model_flops_per_token) on the active parameters:
+    6A + the attention scores (A without the input embedding, a lookup), the routed experts'
+    share × skew: the busiest expert rank's work, which the step waits for (skew 1: the model
+    FLOPs that MFU counts)."""
     routed = moe_layers(cfg, moe) * moe.top_k * 3 * cfg.dim * moe.moe_hidden_dim
     matmul = moe_parameters(cfg, moe, active=True) - cfg.vocab_size * cfg.dim + (skew - 1) * routed
-    return 6 * matmul + 12 * cfg.n_layers * cfg.dim * seq_len
+    return 6 * matmul + attention_flops_per_token(cfg, seq_len)
 
 
 @cache
@@ -176,12 +180,14 @@ def moe_memory_per_gpu(cfg: LlamaConfig, moe: MoEShape, layout: Layout, seq_len:
     return best
 
 
-def dp_groups(cfg: LlamaConfig, moe: MoEShape, layout: Layout) -> list[tuple[int, int]]:
-    """(parameters per GPU, ranks they are sharded and reduced over) of the heaviest stage: the
-    dense part over dp·cp, the experts over dp·cp/ep."""
+def dp_groups(cfg: LlamaConfig, moe: MoEShape, layout: Layout) -> list[tuple[int, int, int]]:
+    """(parameters per GPU, ranks they are sharded and reduced over, the GPUs between two of
+    those ranks) of the heaviest stage: the dense part over dp·cp (stride t), the experts over
+    the dp·cp/ep ranks holding the same experts (stride t·ep)."""
     stages = moe_stage_units(cfg, moe, layout.tp, layout.pp, layout.ep)
     units, experts = max(stages, key=lambda s: sum(s[0]) + sum(s[1]))
-    return [(sum(units), layout.shards), (sum(experts), layout.shards // layout.ep)]
+    return [(sum(units), layout.shards, layout.tp),
+            (sum(experts), layout.shards // layout.ep, layout.tp * layout.ep)]
 
 
 def all_to_all_bytes(cfg: LlamaConfig, moe: MoEShape, layout: Layout, seq_len: int,

@@ -4,20 +4,24 @@ Pure arithmetic over `memory_model`; the table and the article's comparison are 
 
 Every candidate is priced by `memory_model` (per-GPU bytes) and a step-time model:
 
-    t_step = C·(1 + (p-1)/(v·m)) + T_tp + T_cp + T_pp + max(0, T_dp - C)
-    C      = (6·N + 12·L·h·s)·tokens·(1 + recompute) / (G · peak · efficiency)
+    t_step = C·(1 + (p-1)/(v·m)) + T_tp + T_cp + T_pp + T_dp,exposed + T_ep
+    C      = F·tokens·(1 + recompute) / (G · peak · efficiency)
 
+F the model FLOPs per token (`model_flops_per_token`: Megatron-LM's count, which MFU uses too),
 the compute C stretched by the pipeline bubble (m micro-batches per replica, v virtual stages),
-plus the TP collectives on NVLink (on the critical path), ring attention's K/V transfers beyond
-the attention compute they overlap (T_cp), the PP sends, and the data-parallel
-traffic beyond what hides behind compute (α·2(d-1) latency per ring collective included). With
-the mesh order TP, CP, DP, PP a CP group spans t·cp consecutive GPUs and a DP group (gradients
-reduced over dp·cp: CP ranks hold the same parameters) t·cp·dp: inside a node it runs on NVLink,
-inside a pod on the full network, beyond it at 1/7 of that (the oversubscribed aggregation layer
-of Llama 3's cluster, the reason its DP groups are kept small). TP stays inside a node (the
-article's rule: TP needs NVLink). The recommendation is the simplest candidate within 5% of the
-fastest that fits in `headroom`·M (`recommend`), CP counting as the least simple: the rule of
-thumb, CP only when one sequence's activations outgrow a GPU (or it is more than 5% faster).
+plus the TP collectives on NVLink (on the critical path, but SP's backward re-gathers, which
+overlap the dx GEMMs), ring attention's K/V transfers beyond the attention compute they overlap
+(T_cp), the PP sends, the data-parallel traffic beyond what hides behind compute (α·2(d-1)
+latency per ring collective included), and an MoE's all-to-alls. With the mesh order TP, CP, DP,
+PP a CP group spans t·cp consecutive GPUs and a DP group (gradients reduced over dp·cp: CP ranks
+hold the same parameters) t·cp·dp with its ranks t apart: inside a node it runs on NVLink,
+across nodes on the NICs of its members in each node (8/t of them: `Hardware.ring_bandwidth`),
+beyond a pod at 1/7 of that (the oversubscribed aggregation layer of Llama 3's cluster, the
+reason its DP groups are kept small). TP stays inside a node (the article's rule: TP needs
+NVLink). The recommendation is the simplest candidate within 5% of the fastest that fits in
+`headroom`·M (`recommend`), CP counting as the least simple: the rule of thumb, CP only when one
+sequence's activations outgrow a GPU (or it is more than 5% faster). The candidates assume flash
+attention and SP at TP > 1 unless told otherwise (`plan`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from parallel3d.memory_model import (
     GB,
     PRECISIONS,
     Layout,
+    attention_flops_per_token,
+    attention_parameters,
     comm_bytes_per_gpu,
     local_tokens,
     memory_per_gpu,
@@ -48,7 +54,6 @@ from parallel3d.planner.moe import (
     dp_groups,
     moe_flops_per_token,
     moe_memory_per_gpu,
-    moe_parameters,
     moe_shape,
 )
 
@@ -58,22 +63,11 @@ PLANNING_SHAPES: dict[str, LlamaConfig] = {
                                     vocab_size=32000, multiple_of=4096, max_seq_len=4096),
 }
 MODELS = {name: cfg for name, cfg in {**CONFIGS, **PLANNING_SHAPES}.items() if moe_shape(cfg) is None}
-# Mixture-of-experts shapes (the dense parts as a LlamaConfig, the experts as MoEShape); configs
-# of common/model.py that carry MoE fields are read by `moe_shape` and take precedence.
-# Mixtral 8x7B (its Hugging Face config): 46.7B parameters, 12.9B active.
-# DeepSeek-V3 (its inference/configs/config_671B.json), with 128-head MHA (head_dim 56) in place
-# of MLA: 205.5M attention weights a block against MLA's 187.1M, so 672.1B total and 38.7B active
-# against the report's 671B and 37B; its multi-token-prediction module is not counted.
+# Mixture-of-experts models: common/model.py's configs with MoE fields, read by `moe_shape` (the
+# dense parts stay a LlamaConfig, the experts a MoEShape): Mixtral 8x7B (46.7B parameters, 12.9B
+# active) and DeepSeek-V3 with its MLA (671.0B, 37.6B active; the report: 671B and 37B).
 MOE_MODELS: dict[str, tuple[LlamaConfig, MoEShape]] = {
-    "mixtral-8x7b": (LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
-                                 multiple_of=1024, ffn_dim_multiplier=1.3, max_seq_len=32768),
-                     MoEShape(n_experts=8, top_k=2, moe_hidden_dim=14336)),
-    "deepseek-v3": (LlamaConfig(dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, vocab_size=129280,
-                                multiple_of=1024, ffn_dim_multiplier=0.96, max_seq_len=4096),
-                    MoEShape(n_experts=256, top_k=8, moe_hidden_dim=2048, n_shared_experts=1,
-                             first_dense_layers=3)),
-    **{name: (cfg, moe_shape(cfg)) for name, cfg in CONFIGS.items() if moe_shape(cfg) is not None},
-}
+    name: (cfg, moe_shape(cfg)) for name, cfg in CONFIGS.items() if moe_shape(cfg) is not None}
 
 
 @dataclass
@@ -89,19 +83,24 @@ class Plan:
 
 
 def model_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
-    """PaLM's count: 6N for the matmuls forward and backward + 12·L·h·s for attention, N without
-    the input embedding (a lookup, no matmul; the output head is one)."""
-    return 6 * (total_parameters(cfg) - cfg.vocab_size * cfg.dim) + 12 * cfg.n_layers * cfg.dim * seq_len
+    """Model FLOPs per token, Megatron-LM's definition (its num_floating_point_operations): 6 per
+    parameter of every matmul, forward and backward, the output layer included and the input
+    embedding not (a lookup), + the attention scores' `attention_flops_per_token` (12·L·h·s for
+    MHA/GQA; MLA's head widths); recomputation not counted. The step's compute and MFU both use
+    it. (PaLM's 6N + 12·L·H·Q·T counts the embedding in N: +7.0% matmul FLOPs on Llama 3 8B.)"""
+    return 6 * (total_parameters(cfg) - cfg.vocab_size * cfg.dim) + attention_flops_per_token(cfg, seq_len)
 
 
 def recompute_fraction(cfg: LlamaConfig, recompute: str, seq_len: int,
                        flops_per_token: float | None = None) -> float:
     """Extra compute over forward+backward (= 3 forwards): a whole forward (1/3) for full
-    recompute; for selective the core attention's forward, QKᵀ and ·V: 4·L·h·s per token."""
+    recompute; for selective the core attention's forward, QKᵀ and ·V: a third of
+    `attention_flops_per_token` (4·L·h·s for MHA)."""
     if recompute == "full":
         return 1 / 3
     if recompute == "selective":
-        return 4 * cfg.n_layers * cfg.dim * seq_len / (flops_per_token or model_flops_per_token(cfg, seq_len))
+        return attention_flops_per_token(cfg, seq_len) / 3 / (
+            flops_per_token or model_flops_per_token(cfg, seq_len))
     return 0.0
 
 
@@ -125,35 +124,36 @@ def price(cfg: LlamaConfig, layout: Layout, seq_len: int, global_batch: int, gpu
     w, g, _ = PRECISIONS[precision]
     if moe is None:
         memory = memory_per_gpu(cfg, layout, seq_len, m, precision, eager_attention)
-        flops_token, model_params = model_flops_per_token(cfg, seq_len), total_parameters(cfg)
-        groups = [(parameters_per_gpu(cfg, t, p_), d)]
+        flops_token = model_flops = model_flops_per_token(cfg, seq_len)
+        groups = [(parameters_per_gpu(cfg, t, p_), d, t)]
         comm["ep"], a2a_count = 0.0, 0
     else:
         check_ep(moe, layout)
         skew = skew if layout.ep > 1 else 1.0  # without EP every GPU runs every expert on its tokens
         memory = moe_memory_per_gpu(cfg, moe, layout, seq_len, m, precision, eager_attention)
-        flops_token = moe_flops_per_token(cfg, moe, seq_len, skew)
-        model_params = moe_parameters(cfg, moe, active=True)
+        flops_token = moe_flops_per_token(cfg, moe, seq_len, skew)  # the busiest expert rank's
+        model_flops = moe_flops_per_token(cfg, moe, seq_len)  # on the active parameters
         groups = dp_groups(cfg, moe, layout)
         per_element = {0: 2 * g, 1: g + w, 2: m * g + w, 3: m * (2 * w + g)}[layout.zero]
-        comm["dp"] = sum(per_element * (n - 1) / n * psi for psi, n in groups if n > 1)
+        comm["dp"] = sum(per_element * (n - 1) / n * psi for psi, n, _ in groups if n > 1)
         comm["ep"] = all_to_all_bytes(cfg, moe, layout, seq_len, m, ACT_BYTES[precision], skew)
         a2a_count = all_to_alls_per_step(cfg, moe, layout, m)
     tokens = global_batch * seq_len
     compute = flops_token * tokens * (1 + recompute_fraction(cfg, layout.recompute, seq_len, flops_token)) / (
         layout.gpus * hw.peak_tflops * 1e12 * hw.efficiency)
     bubble = (layout.pp - 1) / (layout.virtual_stages * m)
-    # DP (over dp·cp) strides t, CP and EP stride t, PP strides t·cp·dp
-    dp_bw, cp_bw, pp_bw = hw.bandwidth(t * d), hw.bandwidth(t * c), hw.bandwidth(layout.gpus)
+    # DP (over dp·cp) strides t, CP and EP stride t, PP strides t·cp·dp; DP's rings use the NICs
+    # of their members in a node (hw.ring_bandwidth), the others one NIC per GPU
+    cp_bw, pp_bw = hw.bandwidth(t * c), hw.bandwidth(layout.gpus)
     alpha = 0.0 if t * d <= hw.gpus_per_node else 2 * (d - 1) * hw.latency_us * 1e-6
     layers = math.ceil(cfg.n_layers / p_)
     units = layers + 1  # one collective per block (+ embedding/head)
     # Ring attention: each pass's transfer overlaps the causal attention of the blocks it carries
-    # (2·h·s FLOPs per local token forward, half of PaLM's 4·h·s: the blocks above the diagonal
-    # are skipped, split over t; backward twice that). Only a transfer that outlasts it is exposed.
+    # (half of the scores' forward, 4·h·s per token for MHA: the blocks above the diagonal are
+    # skipped, split over t; backward twice that). Only a transfer that outlasts it is exposed.
     hop = 0.0 if t * c <= hw.gpus_per_node else (c - 1) * hw.latency_us * 1e-6
-    attention = 2 * cfg.dim * seq_len * local_tokens(layout, seq_len) / t / (
-        hw.peak_tflops * 1e12 * hw.efficiency)
+    attention = attention_flops_per_token(cfg, seq_len) / (6 * cfg.n_layers) * local_tokens(
+        layout, seq_len) / t / (hw.peak_tflops * 1e12 * hw.efficiency)
     behind = {"forward": attention, "backward": 2 * attention, "recompute": attention}
     cp_exposed = layers * m * sum(max(0.0, sent / cp_bw + hop - behind[k]) for k, sent in
                                   ring_bytes(cfg, layout, seq_len, ACT_BYTES[precision]).items()
@@ -164,9 +164,10 @@ def price(cfg: LlamaConfig, layout: Layout, seq_len: int, global_batch: int, gpu
     # reduce-scattered by every micro-batch, behind its own backward. ZeRO-1/2's parameter
     # all-gather hides behind the next step's first forward (1/3); ZeRO-3 gathers twice in
     # every micro-batch, behind that micro-batch. An MoE's experts reduce over dp·cp/ep ranks.
-    ring = sum((n - 1) / n * psi for psi, n in groups if n > 1) if comm["dp"] else 0.0
-    grad_s = (ring * g * (2 if layout.zero == 0 else 1)) / dp_bw + units * alpha
-    gather_s = ring * w / dp_bw + units * alpha
+    ring = sum((n - 1) / n * psi / hw.ring_bandwidth(n, stride) for psi, n, stride in groups
+               if n > 1) if comm["dp"] else 0.0  # seconds per byte per parameter
+    grad_s = ring * g * (2 if layout.zero == 0 else 1) + units * alpha
+    gather_s = ring * w + units * alpha
     if layout.zero <= 1:
         exposed = max(0.0, grad_s - 2 / 3 * per_mb)
     elif layout.zero == 2:
@@ -175,13 +176,21 @@ def price(cfg: LlamaConfig, layout: Layout, seq_len: int, global_batch: int, gpu
         exposed = m * max(0.0, grad_s + 2 * gather_s - per_mb)
     if layout.zero in (1, 2):
         exposed += max(0.0, gather_s - per_mb / 3)
+    # TP on the critical path, but SP's re-gathers of the column layers' saved inputs: each
+    # overlaps the dx GEMM of the layers that read it (2·column weights/t FLOPs per token)
+    split, _ = attention_parameters(cfg)
+    column = split - cfg.n_heads * cfg.value_head_dim * cfg.dim + 2 * cfg.dim * cfg.hidden_dim
+    dx_gemm = layers * m * 2 * column / t * local_tokens(layout, seq_len) / (
+        hw.peak_tflops * 1e12 * hw.efficiency)
+    nvlink = hw.nvlink_gbps * GB
+    tp_s = (comm["tp"] - comm["tp_regather"]) / nvlink + max(0.0, comm["tp_regather"] / nvlink - dx_gemm)
     # EP: the all-to-alls sit between the router and the experts, on the critical path (no
     # overlap priced); an EP group spans t·ep GPUs, each all-to-all pays one latency across nodes.
     a2a_hop = 0.0 if t * layout.ep <= hw.gpus_per_node else hw.latency_us * 1e-6
     times = {
         "compute": compute * (1 + bubble),
         "bubble": compute * bubble,
-        "tp": comm["tp"] / (hw.nvlink_gbps * GB),
+        "tp": tp_s,
         "cp_exposed": cp_exposed,
         "pp": comm["pp"] / pp_bw,
         "dp_exposed": exposed,
@@ -189,7 +198,7 @@ def price(cfg: LlamaConfig, layout: Layout, seq_len: int, global_batch: int, gpu
     }
     step = (times["compute"] + times["tp"] + times["cp_exposed"] + times["pp"] + exposed
             + times["ep"])
-    mfu = 6 * model_params * tokens / (step * layout.gpus * hw.peak_tflops * 1e12)
+    mfu = model_flops * tokens / (step * layout.gpus * hw.peak_tflops * 1e12)
     fits = memory["total"] <= headroom * gpu_mem_gb * GB
     return Plan(layout, m, memory, comm, step, mfu, fits, times)
 
@@ -201,13 +210,15 @@ def divisors(n: int) -> list[int]:
 def candidates(cfg: LlamaConfig, gpus: int, global_batch: int, hw: Hardware, seq_len: int,
                micro_batches=(1, 2, 4, 8), zero_levels=(0, 1, 2, 3),
                recompute=("none", "selective", "full"),
-               context_parallel=(1, 2, 4, 8, 16, 32), experts: int = 0) -> list[Layout]:
+               context_parallel=(1, 2, 4, 8, 16, 32), experts: int = 0,
+               sequence_parallel: bool = True) -> list[Layout]:
     """Every layout the model and the cluster admit: TP inside a node dividing the heads, KV heads
     and vocabulary; PP at most one block per stage (uneven stages allowed, as Llama 3's 126
     layers on 16 stages) and at least p micro-batches to fill them (fewer leave a bubble
     (p-1)/m ≥ 1); CP whose 2·cp zig-zag chunks divide the sequence; the global batch divisible
     by dp·micro-batch; interleaving needs the micro-batch count divisible by p; with `experts`
-    (an MoE), EP dividing both dp·cp and the experts."""
+    (an MoE), EP dividing both dp·cp and the experts; SP at every TP > 1 unless
+    `sequence_parallel` is False (a framework without it)."""
     out = []
     for tp in divisors(min(gpus, hw.gpus_per_node)):
         if cfg.n_heads % tp or cfg.n_kv_heads % tp or cfg.vocab_size % tp:
@@ -232,7 +243,8 @@ def candidates(cfg: LlamaConfig, gpus: int, global_batch: int, hw: Hardware, seq
                             vs, zero_levels if dp * cp > 1 else (0,), recompute, eps):
                         out.append(Layout(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=mb,
                                           virtual_stages=v, recompute=ac,
-                                          sequence_parallel=tp > 1, cp=cp, ep=ep))
+                                          sequence_parallel=sequence_parallel and tp > 1,
+                                          cp=cp, ep=ep))
     return out
 
 
@@ -241,7 +253,9 @@ def plan(cfg: LlamaConfig, gpus: int, gpu_mem_gb: float, seq_len: int, global_ba
          eager_attention: bool = False, moe: MoEShape | None = None, skew: float = 1.0,
          **space) -> list[Plan]:
     """All candidates priced, the fitting ones first, fastest first (then smallest footprint);
-    `space` narrows `candidates` (e.g. context_parallel=(1,))."""
+    `space` narrows `candidates` (e.g. context_parallel=(1,), sequence_parallel=False). The
+    defaults assume what a 2024 framework has: flash attention (no s×s scores kept;
+    `eager_attention` keeps them) and sequence parallelism at TP > 1 (`sequence_parallel`)."""
     hw = hw or Hardware()
     layouts = candidates(cfg, gpus, global_batch, hw, seq_len, experts=moe.n_experts if moe else 0,
                          **space)

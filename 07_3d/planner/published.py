@@ -6,7 +6,7 @@ predicted figure beside the published one, in the source's own unit and definiti
 
 A source that reports TFLOP/s counts FLOPs its own way (Megatron-LM 2021 counts the recomputed
 forward; Megatron-Core counts the output layer but not the embedding lookup), so the prediction
-is converted with the same formula rather than compared with the planner's 6N. `BAND` is how
+is converted with the same formula rather than compared with the planner's model FLOPs. `BAND` is how
 far a bf16 prediction may fall from the published figure; FP8 runs are outside what the model
 prices (a bf16 peak) and are only expected to come out below it.
 """
@@ -79,10 +79,11 @@ def price_published(run: PublishedRun, efficiency: float | None = None) -> Compa
     hw = gpu(run.gpu) if efficiency is None else gpu(run.gpu, efficiency=efficiency)
     layout = Layout(tp=run.tp, pp=run.pp, dp=run.dp, zero=run.zero, micro_batch=run.micro_batch,
                     virtual_stages=run.virtual_stages, recompute=run.recompute,
-                    sequence_parallel=run.tp > 1, cp=run.cp, ep=run.ep)
+                    sequence_parallel=run.sequence_parallel and run.tp > 1, cp=run.cp, ep=run.ep)
     if layout.gpus != run.gpus:
         raise ValueError(f"{run.name}: tp·cp·pp·dp = {layout.gpus}, not its {run.gpus} GPUs")
-    plan = price(cfg, layout, run.seq_len, run.global_batch, run.gpu_mem_gb, hw, moe=moe)
+    plan = price(cfg, layout, run.seq_len, run.global_batch, run.gpu_mem_gb, hw,
+                 eager_attention=not run.flash_attention, moe=moe)
     tokens_per_gpu = run.global_batch * run.seq_len / (plan.step_s * run.gpus)
     flops = FIGURES[run.figure][1]
     return Comparison(run, plan, tokens_per_gpu * (flops(cfg, run.seq_len) / 1e12 if flops else 1))
@@ -94,7 +95,7 @@ def compare(efficiency: float | None = None) -> list[Comparison]:
 
 def published_table() -> str:
     """Each run's layout, published and predicted figure, their ratio, the step's largest
-    overheads: the block 07's README shows (`write_readme` puts it there; a test compares)."""
+    overheads: the block the planner's page shows (`write_readme` puts it there; a test compares)."""
     head = (f"{'run':<34}{'GPUs':>6} {'layout':<34}{'figure':<22}{'published':>10}{'predicted':>10}"
             f"{'ratio':>7}  priced overheads")
     lines = [head, "-" * len(head)]
@@ -142,22 +143,27 @@ def published_report() -> str:
     return "\n".join(lines)
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-MARKER = "<!-- generated: python -m parallel3d.planner --published --write-readme; checked by tests -->"
+README = Path(__file__).resolve().parent / "README.md"  # the planner's page
+MARKER = "<!-- generated: python -m parallel3d.planner --write-readme (published runs); checked by tests -->"
 
 
-def readme_table(text: str) -> str | None:
-    """The fenced block after `MARKER` in a README's text, or None."""
-    match = re.search(re.escape(MARKER) + r"\n```\n(.*?)\n```", text, re.S)
+def _block(marker: str) -> re.Pattern:
+    return re.compile(re.escape(marker) + r"\n```\n(.*?)\n?```", re.S)
+
+
+def readme_block(text: str, marker: str = MARKER) -> str | None:
+    """The fenced block after `marker` in a page's text, or None."""
+    match = _block(marker).search(text)
     return match.group(1) if match else None
 
 
-def write_readme(path: Path = README) -> bool:
-    """Put the current `published_table` in the README's generated block; whether it changed."""
-    text = path.read_text(encoding="utf-8")
-    old = readme_table(text)
-    if old is None:
-        raise ValueError(f"{path}: no block after {MARKER!r}: add the marker and an empty ``` block")
-    new = text.replace(f"{MARKER}\n```\n{old}\n```", f"{MARKER}\n```\n{published_table()}\n```")
-    path.write_text(new, encoding="utf-8")
-    return new != text
+def write_readme(blocks: dict[str, str], path: Path = README) -> bool:
+    """Put each {marker: content} into the page's block after that marker; whether it changed."""
+    text = old_text = path.read_text(encoding="utf-8")
+    for marker, content in blocks.items():
+        if readme_block(text, marker) is None:
+            raise ValueError(f"{path}: no block after {marker!r}: add the marker and an empty ``` block")
+        new = f"{marker}\n```\n{content}\n```"
+        text = _block(marker).sub(lambda _, new=new: new, text, count=1)
+    path.write_text(text, encoding="utf-8")
+    return text != old_text

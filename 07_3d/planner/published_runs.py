@@ -44,6 +44,8 @@ class PublishedRun:
     virtual_stages: int = 1
     gpu_mem_gb: float = 80.0
     fp8: bool = False          # FP8 matmuls: outside what the planner prices (a bf16 peak)
+    sequence_parallel: bool = True  # SP at TP > 1 (Megatron-LM from 2022, torchtitan)
+    flash_attention: bool = True    # no s×s scores kept (FlashAttention, 2022)
     assumed: tuple[str, ...] = ()
     note: str = ""
 
@@ -109,9 +111,11 @@ _UNSTATED_2024 = ("micro_batch", "virtual_stages", "recompute")
 
 RUNS: tuple[PublishedRun, ...] = (
     # name, h, L from SHAPES; (TP, PP, MBS, GBS, layers per virtual stage → v, GPUs, TFLOP/s);
-    # fp16 with full (uniform) recomputation in every row.
+    # fp16 with full (uniform) recomputation in every row: 2021 had neither sequence
+    # parallelism nor flash attention (both 2022), so nothing lighter fit.
     *(PublishedRun(f"Megatron-LM GPT {n}", MEGATRON_2021, f"gpt-{n} (2021)", "A100", g, tp, pp,
-                   g // (tp * pp), mb, gb, 2048, "full", 0, _M21, tf, virtual_stages=v)
+                   g // (tp * pp), mb, gb, 2048, "full", 0, _M21, tf, virtual_stages=v,
+                   sequence_parallel=False, flash_attention=False)
       for n, tp, pp, mb, gb, v, g, tf in [
           ("1.7b", 1, 1, 16, 512, 1, 32, 137), ("3.6b", 2, 1, 16, 512, 1, 64, 138),
           ("7.5b", 4, 1, 16, 512, 1, 128, 142), ("18b", 8, 1, 8, 1024, 1, 256, 135),

@@ -7,6 +7,7 @@ depth is not one the article's table names, `why_not` prices the article's depth
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from common.model import LlamaConfig
 from parallel3d.memory_model import GB, Layout, memory_per_gpu, total_parameters
@@ -106,8 +107,19 @@ tp, cp, pp, dp: tensor-, context-, pipeline- and data-parallel degrees (GPUs = t
 GB: per GPU of the busiest pipeline stage (weights, grads, optimizer state, saved activations);
   GB/step: bytes each GPU sends per step along each dimension (EP: the busiest rank's
   all-to-alls); step s: the modelled step time (compute + bubble + TP + exposed CP, PP, DP + EP);
-  MFU: 6N·tokens / (step·GPUs·peak), N the active parameters of an MoE, attention's FLOPs not
-  counted (at 128K they outweigh 6N); fits: total ≤ headroom × GPU memory."""
+  MFU: model FLOPs·tokens / (step·GPUs·peak), Megatron-LM's model FLOPs: 6 × every matmul's
+  parameters (the head, not the embedding lookup; an MoE's active ones) + the attention scores
+  (12·L·h·s), recomputation not counted; fits: total ≤ headroom × GPU memory."""
+
+
+def assumptions(flash_attention: bool = True, sequence_parallel: bool = True) -> str:
+    """What the picks assume of the framework, in words (`--eager-attention` and
+    `--no-sequence-parallel` price a run without them)."""
+    flash = ("flash attention (no s×s scores kept)" if flash_attention else
+             "eager attention (the s×s scores and softmax kept for backward)")
+    sp = ("sequence parallelism at every TP > 1" if sequence_parallel else
+          "no sequence parallelism (the norm regions hold every token on each TP rank)")
+    return f"{flash}; {sp}"
 
 
 def cp_verdict(plans: list[Plan], best: Plan | None) -> str:
@@ -132,6 +144,32 @@ def cp_verdict(plans: list[Plan], best: Plan | None) -> str:
             f"the model hides the ring behind attention and leaves out its costs (`recommend`)")
 
 
+STRATEGY_MARKER = ("<!-- generated: python -m parallel3d.planner --write-readme (strategy by size); "
+                   "checked by tests -->")
+
+
+def strategy_table(plans_of: Callable[[str], list[Plan]] | None = None) -> str:
+    """The article's strategy-by-size table recomputed: per TABLE_SCENARIOS row the pick, its
+    memory per GPU, step time and MFU, beside the article's advice; where the pick's pipeline
+    depth is not one the article names, its depth priced (`why_not`). `plans_of(name)`: the
+    scenario's priced candidates (default: `plan` at 80 GB)."""
+    scenarios = {name: (gpus, seq, batch) for name, gpus, seq, batch in TABLE_SCENARIOS}
+    plans_of = plans_of or (lambda name: plan(MODELS[name], scenarios[name][0], 80, *scenarios[name][1:]))
+    lines = [f"{'model':<17}{'GPUs':>6}  {'pick':<45}{'GB/GPU':>7}{'step s':>8}{'MFU':>5}  | the article"]
+    for name, (gpus, _, _) in scenarios.items():
+        plans = plans_of(name)
+        best = recommend(plans)
+        rows, advice, pp_range = article_row(total_parameters(MODELS[name]))
+        pick = best.layout.describe() if best else "nothing fits"
+        numbers = (f"{best.memory['total'] / GB:>7.1f}{best.step_s:>8.2f}{best.mfu:>5.0%}" if best
+                   else " " * 20)
+        lines.append(f"{name:<17}{gpus:>6}  {pick:<45}{numbers}  | {rows} GPUs: {advice}")
+        other = article_alternative(plans, pp_range)
+        if best and other and not pp_range[0] <= best.layout.pp <= pp_range[1]:
+            lines.append(f"  the article's depth, priced: {why_not(best, other)}")
+    return "\n".join(lines)
+
+
 def article_report() -> str:
     """The source article's numbers, recomputed, and its table against the planner's picks."""
     cfg = MODELS["llama2-7b"]
@@ -140,17 +178,8 @@ def article_report() -> str:
              "(fp16 weights + grads + Adam m, v; 8 × 512 tokens; attention without flash):",
              "  one GPU:        " + ", ".join(f"{k} {v / GB:.1f} GB" for k, v in one.items()),
              "  ZeRO-3 on 8:    " + ", ".join(f"{k} {v / GB:.1f} GB" for k, v in eight.items()),
-             "", "strategy by size (planner's pick, mixed precision, 4.2M tokens per step; 405B 16.8M):"]
-    for name, gpus, seq, batch in TABLE_SCENARIOS:
-        cfg = MODELS[name]
-        plans = plan(cfg, gpus, 80, seq, batch)
-        best = recommend(plans)
-        rows, advice, pp_range = article_row(total_parameters(cfg))
-        pick = best.layout.describe() if best else "nothing fits"
-        lines.append(f"  {name:<17} {gpus:>6} GPUs: {pick:<52} | article ({rows} GPUs): {advice}")
-        other = article_alternative(plans, pp_range)
-        if best and other and not pp_range[0] <= best.layout.pp <= pp_range[1]:
-            lines.append(f"    the article's depth, priced: {why_not(best, other)}")
+             "", "strategy by size (planner's pick, mixed precision, 4.2M tokens per step; 405B 16.8M;",
+             f"  assumes {assumptions()}):", *("  " + line for line in strategy_table().splitlines())]
     name, gpus, seq, batch, mesh = LONG_CONTEXT
     plans = plan(MODELS[name], gpus, 80, seq, batch)
     best = recommend(plans)

@@ -182,7 +182,7 @@ MEASURED: dict[str, str] = {
     "03_zero/bench.png": "make bench-3",
     "04_fsdp/trace.png": "python -m common.profile (04 README)",
     "05_tensor_parallel/bench.png": "make bench-5",
-    "06_pipeline/timelines.png": "make run-6 … --timeline (06 README)",
+    "06_pipeline/timelines.png": "make bench-6 (06 against_torch.md)",
     "06_pipeline/trace.png": "python -m common.profile (06 README)",
 }
 

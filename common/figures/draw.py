@@ -10,10 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
+import matplotlib.pyplot as plt  # no backend chosen here: a notebook's %matplotlib inline stays on
 from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
 # One colour per rank (colour-blind-safe, Okabe-Ito then Tol's muted), and one per kind of action.
