@@ -26,7 +26,8 @@ help:
 	@echo "make bench-N         chapter N's benchmark against torch's built-in equivalent"
 	@echo "make bench-5-cp      context parallelism: ring attention vs the all-gather variant"
 	@echo "make bench-5-ep      expert parallelism: all-to-all vs an all-gather baseline vs replicated experts"
-	@echo "make test-fast       a contributor's few minutes: one example per property, no notebooks or launches"
+	@echo "make test-fast N=5   a contributor's minutes: one example of every property of chapter 5"
+	@echo "                     (N = 1..7, common, checkpoints, labs, moe; no notebooks or launches; no N: all)"
 	@echo "make test-N          one chapter's tests (N = 1..7, common, checkpoints, notebooks, labs, benches, moe)"
 	@echo "make test-thorough   the suite with many hypothesis examples"
 	@echo "make notebooks       execute every lesson.ipynb in place"
@@ -49,8 +50,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 test: $(SETUP)
 	$(PY) -m pytest -q --durations=15
 
+# N=<chapter> keeps that chapter's test files (tests/conftest.py BUDGET_S); the fast profile runs
+# one example of every property, so every property of the chapter still runs once.
 test-fast: $(SETUP)
-	HYPOTHESIS_PROFILE=fast $(PY) -m pytest -q -x -m "not slow" --durations=10
+	HYPOTHESIS_PROFILE=fast $(if $(N),PFS_CHAPTER=$(N)) $(PY) -m pytest -q -x -m "not slow" --durations=10
 
 $(TESTS): test-%: $(SETUP)
 	PFS_CHAPTER=$* $(PY) -m pytest -q --durations=10

@@ -86,3 +86,13 @@ class Pools:
         for pool in self._pools.values():
             pool.close()
         self._pools.clear()
+
+
+def examples(ci: int) -> int:
+    """The example count for a property that pins one (`@settings(max_examples=examples(4))`):
+    `ci` in the ci profile, 1 in the fast one (every property still runs once), and at least the
+    thorough profile's own count there, so that a pin never makes `make test-thorough` lighter."""
+    from hypothesis import settings
+
+    profile = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+    return 1 if profile == "fast" else ci if profile == "ci" else max(ci, settings.default.max_examples)

@@ -30,6 +30,7 @@ from parallel3d.checkpoint.state import (
     param_groups_state,
     restore_rng_state,
 )
+from tests.harness import examples
 
 # --- the slice mapping, on random partitionings ----------------------------------------------
 
@@ -189,7 +190,7 @@ def load_on_mesh(root: str, mesh, dtype: str, wrong_rank: bool = False) -> float
     return worst
 
 
-@settings(max_examples=6)
+@settings(max_examples=examples(6))
 @given(a=st.sampled_from(MESHES), b=st.sampled_from(MESHES), dtype=st.sampled_from(list(DTYPES)))
 def test_checkpoint_from_any_mesh_loads_bitwise_on_any_other(pools, tmp_path_factory, a, b, dtype):
     root = str(tmp_path_factory.mktemp("mesh"))

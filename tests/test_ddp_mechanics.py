@@ -52,7 +52,7 @@ from tests.equivalence import (
     spec_run,
     with_spec,
 )
-from tests.harness import RankError
+from tests.harness import RankError, examples
 
 TINY = get_config("tiny", n_layers=1)
 
@@ -102,7 +102,7 @@ one_micro_batch_specs = data_parallel_specs(world_sizes=(2, 3)).map(
 
 @given(spec=one_micro_batch_specs, zero_grad=st.sampled_from(["set_to_none", "in_place", "ddp"]),
        bucket_cap_mb=st.sampled_from([1e-6, 0.004, 25.0]))
-@settings(max_examples=4)
+@settings(max_examples=examples(4))
 def test_the_article_loop_works_unchanged_and_equals_single_device(pools, spec, zero_grad, bucket_cap_mb):
     """`loss.backward(); optimizer.step(); optimizer.zero_grad()` with no finish(): the average
     is complete when backward returns, whichever way the gradients are zeroed."""

@@ -39,7 +39,7 @@ from tests.equivalence import (
     spec_args,
     with_spec,
 )
-from tests.harness import RankError
+from tests.harness import RankError, examples
 
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]  # HSDP: test_fsdp_hybrid.py
 
@@ -134,7 +134,7 @@ def test_source_article_fsdp_loop_runs_verbatim(pools, mixed):
 # --- equivalence properties ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("sharding", STRATEGIES)
-@settings(max_examples=2)  # + the deterministic float64 runs: train_cli, the user's loop (test_fsdp_drop_in)
+@settings(max_examples=examples(2))  # + the float64 runs of train_cli and the user's loop (test_fsdp_drop_in)
 @given(spec=data_parallel_specs(), clip=st.sampled_from([None, 1e-3, 1e3]), no_sync=st.booleans())
 def test_fsdp_equals_single_device_float64(pools, sharding, spec, clip, no_sync):
     """Every strategy × world 1-4 × grad-accum (with and without no_sync) × clipping; the drawn
@@ -142,7 +142,7 @@ def test_fsdp_equals_single_device_float64(pools, sharding, spec, clip, no_sync)
     check_strategy(pools, with_spec(spec, clip_grad=clip), fsdp_strategy, sharding, no_sync)
 
 
-@settings(max_examples=4)
+@settings(max_examples=examples(4))
 @given(spec=data_parallel_specs(world_sizes=(2, 3), dtype="float32"), sharding=st.sampled_from(STRATEGIES),
        no_sync=st.booleans())
 def test_fsdp_mixed_precision_equals_mixed_precision_reference(pools, spec, sharding, no_sync):

@@ -41,7 +41,7 @@ from tests.equivalence import (
     spec_run,
     tiny_configs,
 )
-from tests.harness import RankError
+from tests.harness import RankError, examples
 
 # --- schedules as data (pure Python) ----------------------------------------------------------
 
@@ -196,7 +196,7 @@ def pipeline_specs(draw, schedule: str):
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb"])
-@settings(max_examples=4)
+@settings(max_examples=examples(4))
 @given(data=st.data())
 def test_every_schedule_equals_single_device_training_float64(pools, schedule, data):
     spec, v, partition = data.draw(pipeline_specs(schedule))

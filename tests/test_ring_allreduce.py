@@ -67,7 +67,7 @@ from ring_allreduce.ring import (
 from ring_allreduce.simulator import diagram, simulate
 from tests.data_parallel_runs import run_data_parallel
 from tests.equivalence import RunRecord, TrainSpec, assert_matches_reference, data_parallel_specs
-from tests.harness import RankError
+from tests.harness import RankError, examples
 
 REPO = Path(__file__).resolve().parent.parent
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16,
@@ -157,7 +157,7 @@ def test_ring_all_reduce_equals_builtin_for_every_dtype_and_op(pools, world, len
 
 
 @given(world=st.sampled_from([2, 3, 4]), length=lengths, seed=st.integers(0, 2**16))
-@settings(max_examples=3)
+@settings(max_examples=examples(3))
 def test_naive_all_reduce_equals_builtin_for_every_dtype_and_op(pools, world, length, seed):
     assert_equals_builtin(pools.run(world, reduce_every_dtype_and_op, "naive", length, seed, 1))
 
@@ -321,7 +321,7 @@ def test_comm_meter_shows_the_ring_formula_bytes_and_messages(pools, world, leng
 
 
 @given(world=st.sampled_from([2, 3, 4]), length=st.integers(1, 2000), check=st.booleans())
-@settings(max_examples=4)
+@settings(max_examples=examples(4))
 def test_naive_root_sends_and_receives_n_minus_1_times_the_data(pools, world, length, check):
     per_rank = pools.run(world, metered, "naive", length, torch.float32, 0, check)
     size, extra = length * 4, CHECK_BYTES if check else 0
@@ -556,7 +556,7 @@ def run_ddp_with(pools, spec: TrainSpec, all_reduce, bucket_cap_mb: float) -> Ru
 
 @given(spec=data_parallel_specs(), algorithm=st.sampled_from(["ring", "naive", "ring-checked-once"]),
        bucket_cap_mb=st.sampled_from([1e-6, 0.004, 25.0]))
-@settings(max_examples=4)
+@settings(max_examples=examples(4))
 def test_ddp_on_the_ring_equals_single_device_float64(pools, spec, algorithm, bucket_cap_mb):
     assert_matches_reference(run_ddp_with(pools, spec, ALL_REDUCES[algorithm], bucket_cap_mb), spec)
 

@@ -48,7 +48,7 @@ from tensor_parallel.formulas import (
     model_activation_bytes,
 )
 from tests.equivalence import TrainSpec, check_strategy, check_strategy_rejected, spec_run, with_spec
-from tests.harness import RankError
+from tests.harness import RankError, examples
 
 # --- layers against dense -------------------------------------------------------------------
 
@@ -327,7 +327,7 @@ def test_tensor_parallel_training_equals_single_device_float64(pools, drawn):
     check_strategy(pools, spec, tp_strategy, tp, sp)
 
 
-@settings(max_examples=3)
+@settings(max_examples=examples(3))
 @given(drawn=tensor_parallel_specs(dtype="float32", tps=(2, 4)))
 def test_tensor_parallel_training_equals_single_device_float32(pools, drawn):
     """TOLERANCE[float32] = 1e-4 in the global relative norm (see common/reference.py)."""

@@ -29,7 +29,7 @@ from tests.equivalence import (
     spec_args,
     with_spec,
 )
-from tests.harness import RankError
+from tests.harness import RankError, examples
 from zero import ZeroConfig, ZeroEngine, module_units, offload, padded_size
 from zero import train as zero_train
 from zero.config import ZeroConfigError, load_config, parse_config
@@ -96,7 +96,7 @@ OFFLOADED_TWO_STEPS = TrainSpec(cfg=get_config("tiny", n_layers=1), world_size=2
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-@settings(max_examples=1)  # + the pinned example: two per stage, as before it was pinned
+@settings(max_examples=examples(1))  # + the pinned example: two per stage, as before it was pinned
 @given(spec=data_parallel_specs(world_sizes=(2, 3), dtype="float32"), offload=st.booleans())
 @example(spec=OFFLOADED_TWO_STEPS, offload=True)
 def test_zero_bf16_mixed_precision_equals_mixed_precision_reference(pools, stage, spec, offload):

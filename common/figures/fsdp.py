@@ -117,8 +117,9 @@ def record_step(model, sharding: str, forward_prefetch: bool, backward_prefetch:
         return lambda *_: events.append({"kind": kind, "unit": unit, "what": what})
 
     root = fsdp.module
-    bodies = [(unit.module, unit.unit_name or "<root>", "block") for unit in fsdp.units()
-              if unit.unit_name and unit._handle is not None]
+    owners = {shard.name for shard in fsdp.shard_layout()}  # the units that hold parameters
+    bodies = [(unit.module, unit.unit_name, "block") for unit in fsdp.units()
+              if unit.unit_name and unit.unit_name in owners]
     bodies += [(root.tok_embeddings, "<root>", "embed"), (root.output, "<root>", "head")]
     for module, unit, what in bodies:
         module.register_forward_pre_hook(on("forward", unit, what))
