@@ -44,6 +44,7 @@ tensor-parallel blocks over a DP group):
       whose grads are views of the (accumulated) grad shard. Names are nn.Module's, with
       `_fsdp_wrapped_module.` (as torch's); clean_name() strips it.
   .no_sync()                                  accumulate unsharded grads locally (on the root)
+  .set_gradient_divide_factor(f)              (FSDP2's) divide this unit's gradient by f, not s·r
   .clip_grad_norm_(max_norm, norm_type=2.0)   torch's clipping, norm over every shard of the group
                                               (HSDP: of the shard group; the replicas are equal)
   .state_dict() / .load_state_dict(sd)        torch's default, FULL_STATE_DICT: {original name:
@@ -373,6 +374,13 @@ class FullyShardedDataParallel(ShardedStateMixin, nn.Module):
             if unit._handle is not None:
                 unit._handle.finish_grad()
                 unit._handle.reshard()
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """FSDP2's name and meaning (torch's FSDP1 has none): this unit's summed gradient is divided
+        by `factor` instead of its group's size (s·r). Experts sharded over a subgroup of the
+        data's ranks still average over every data-parallel rank (torchtitan sets dp·cp)."""
+        if self._handle is not None:
+            self._handle.dp_size = factor
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -25,6 +25,9 @@ all-to-alls per forward (counts, rows) and one more in combine, the reverse one 
 Gradients: with each rank's loss a sum over its own tokens, the expert gradients are complete on
 their rank (every token that chose the expert, from every rank, backpropagated into it); the
 replicated parameters' gradients are partial sums to all-reduce over the group, as under DP.
+
+Load: each layer's all-to-all waits for the rank whose experts got the most rows, so a step's
+imbalance is its worst dispatch's max/mean rows over the group (`load_imbalance`).
 """
 
 from __future__ import annotations
@@ -100,6 +103,44 @@ class AllToAllDispatcher:
         source_major = expert_outputs[torch.argsort(regroup)]
         returned = all_to_all_rows(source_major, in_splits, out_splits, self.group)
         return unpermute(returned, plan)
+
+
+class CountingDispatcher(AllToAllDispatcher):
+    """The all-to-all dispatcher, logging per dispatch from the routing counts (A, B, rows): the
+    rows this rank sends to the other EP ranks, the rows it receives, the rows its experts process
+    (for the reports' byte formula and load imbalance; `log` is emptied by whoever reads it)."""
+
+    def __init__(self, group, n_experts: int):
+        super().__init__(group, n_experts)
+        rank = dist.get_rank(group)
+        self.mine = slice(rank * self.local, (rank + 1) * self.local)
+        self.log: list[tuple[int, int, int]] = []
+
+    def dispatch(self, x: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, list[int]]:
+        counts = plan.counts.tolist()
+        rows, local_counts = super().dispatch(x, plan)
+        own = sum(counts[self.mine])
+        self.log.append((sum(counts) - own, sum(local_counts) - own, sum(local_counts)))
+        return rows, local_counts
+
+
+def all_to_all_bytes(sent: int, received: int, dim: int, e: int, ep: int, n_experts: int,
+                     backward: bool = True) -> float:
+    """Wire bytes one rank sends for one dispatch + combine: the count exchange (ep-1)/ep · E · 8
+    (int64), `sent` rows of dim·e bytes out (dispatch) and `received` back (combine); their
+    backward sends the same rows again the other way: (1 + backward)·(A + B)·dim·e + counts."""
+    counts = (ep - 1) / ep * n_experts * 8
+    return counts + (2 if backward else 1) * (sent + received) * dim * e
+
+
+def load_imbalance(rows: torch.Tensor, ep: int) -> torch.Tensor:
+    """rows [steps, dispatches, ranks]: the rows each rank's experts took in each dispatch (one per
+    MoE layer and micro-batch; EP groups: ep consecutive ranks) → per step, the max over
+    dispatches and groups of max/mean over the group. Each layer's all-to-all waits for its
+    slowest rank, so a step is as slow as its worst dispatch: rows summed over a step's layers
+    would average the stragglers out."""
+    grouped = rows.unflatten(-1, (-1, ep))
+    return (grouped.amax(-1) / grouped.mean(-1).clamp_min(1e-300)).flatten(1).amax(-1)
 
 
 def expert_parallel(model: nn.Module, group, dispatcher: type[AllToAllDispatcher] = AllToAllDispatcher

@@ -10,7 +10,9 @@ head counts and widths from their weights' shapes, so the same code runs on 1/t 
 `LLAMA_TP_PLAN` is common.model's LLaMA; a model with other attribute names changes the names, not
 the code (Hugging Face's LlamaForCausalLM: "model.layers.*.self_attn.q_proj", …, "lm_head"). The
 styles are ours (torch's ColwiseParallel / parallelize_module work on DTensors, a different
-contract): ColumnSplit, RowSplit, VocabSplit, MappedInput, SequenceNorm.
+contract): ColumnSplit, RowSplit, VocabSplit, MappedInput, SequenceNorm; a style with an
+`apply(name, module, group, sequence_parallel)` method lives beside its module and is called as is
+(moe_tensor_parallel.ExpertSplit: a MoE model's plan is `moe_tp_plan(model)`).
 
 One block, t ranks (no SP)                         with sequence parallelism (SP)
     x ──RMSNorm──f──┬ wq ┐                          x_i[s/t] ──RMSNorm── AG ──┬ wq ┐
@@ -123,10 +125,9 @@ def apply_tp_plan(module: nn.Module, group, plan: dict[str, Style] = LLAMA_TP_PL
     return tp_shard_specs(module, group)
 
 
-MOE_NOT_SUPPORTED = ("tensor and context parallelism of a mixture-of-experts model are not implemented "
-                     "(its routing and load-balancing loss need whole sequences, its experts take expert "
-                     "parallelism): train it with expert parallelism (train.py --ep N, train_expert.py), "
-                     "or data parallelism (chapters 01-04) or pipelining (06)")
+MOE_NOT_SUPPORTED = ("a mixture-of-experts model: LLAMA_TP_PLAN has no entry for its experts; cut it "
+                     "with moe_tensor_parallel.parallelize_moe_llama (each expert split like the dense "
+                     "SwiGLU, the router whole on every rank)")
 
 
 def parallelize_llama(model: nn.Module, tp_group, sequence_parallel: bool = False) -> dict[str, TPShard]:
@@ -168,6 +169,8 @@ def _linear(name: str, module: nn.Module, style: Style) -> nn.Linear:
 
 def _apply(style: Style, name: str, parent: nn.Module, module: nn.Module, group, sp: bool,
            input_mapped: bool) -> nn.Module:
+    if hasattr(style, "apply"):  # a style defined beside its module (moe_tensor_parallel.ExpertSplit)
+        return style.apply(name, module, group, sp)
     t = group_size(group)
     if isinstance(style, ColumnSplit):
         linear = _linear(name, module, style)
@@ -269,7 +272,7 @@ def _map_input(group, sequence_parallel: bool):
 
 
 def check_tp_sizes(tp: int, n_heads: int = 0, n_kv_heads: int = 0, hidden_dim: int = 0,
-                   seq_len: int = 0, sequence_parallel: bool = False) -> None:
+                   seq_len: int = 0, sequence_parallel: bool = False, expert_hidden_dim: int = 0) -> None:
     """Raise ValueError naming what does not split over `tp` ranks (before any collective; a
     size left at 0 is not checked). The vocab may be anything: it is padded to a multiple of tp."""
     if tp < 1:
@@ -282,6 +285,9 @@ def check_tp_sizes(tp: int, n_heads: int = 0, n_kv_heads: int = 0, hidden_dim: i
                          "(K/V heads are split when tp divides them, replicated when n_kv_heads < tp)")
     if hidden_dim % tp:
         raise ValueError(f"the FFN hidden size {hidden_dim} is not divisible by the TP size {tp}")
+    if expert_hidden_dim % tp:
+        raise ValueError(f"the experts' hidden size {expert_hidden_dim} is not divisible by the TP "
+                         f"size {tp} (each expert is cut like the dense SwiGLU)")
     if sequence_parallel and seq_len % tp:
         raise ValueError(f"sequence parallelism splits the {seq_len} tokens of a sequence over "
                          f"{tp} ranks: use a sequence length divisible by {tp}")

@@ -12,7 +12,8 @@ split into tp pieces happens inside those s/cp tokens), attending over the whole
 attention. CP ranks hold the same parameters, so gradients are averaged over dp × cp (SUM, then
 / (dp·cp)): each rank's loss is the mean over its tokens, and their mean the global-token mean.
 The report prints the comm and activation formulas of formulas.py beside the measurements.
-A MoE model (--model tiny-moe) trains with expert parallelism instead: train_expert.py.
+A MoE model (--model tiny-moe) trains with expert parallelism (and --tp: every expert cut like the
+SwiGLU, moe_tensor_parallel.py) instead: train_expert.py.
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel size: each rank holds s/cp tokens (zig-zag), ring attention")
     p.add_argument("--ep", type=int, default=None,
-                   help="MoE models only (with --tp 1 --cp 1): expert-parallel size, experts sharded "
-                        "over groups of ep consecutive ranks, dp = world (default: every rank)")
+                   help="MoE models only (--cp 1): expert-parallel size, experts sharded over groups of "
+                        "ep consecutive data-parallel ranks, dp = world / tp (default: every dp rank)")
     return p.parse_args(argv)
 
 

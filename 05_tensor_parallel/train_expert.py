@@ -1,16 +1,21 @@
-"""Chapter 05 demo, MoE models: data parallelism over every rank, the experts sharded over EP
-groups of `ep` consecutive ranks (expert_parallel.py's all-to-all dispatch), exact against one device.
-Rank r takes its own rows (dp = world) and holds experts [i·E/ep, (i+1)·E/ep) of every MoE layer,
-i = r mod ep; every other parameter is replicated. The global loss is the mean of the W ranks'
-losses, so its gradient is (1/W) Σ_r ∂L_r. Non-expert gradients: SUM over the world, / W. An
-expert's local gradient already sums every rank of its EP group (their tokens came to it, and
-their gradients came back through the all-to-all's backward); the W/ep ranks holding the same
-experts (same i) saw disjoint tokens: SUM over that replica group, / W (not / (W/ep)).
+"""Chapter 05 demo, MoE models: data parallelism over the dp = W/t ranks of each TP index, the
+experts sharded over EP groups of `ep` consecutive data-parallel ranks (expert_parallel.py's
+all-to-all dispatch) and, with --tp t, every expert cut over the TP group like the dense SwiGLU
+(moe_tensor_parallel.py), exact against one device. Data-parallel rank d takes its own rows and
+holds experts [i·E/ep, (i+1)·E/ep) of every MoE layer, i = d mod ep; every other parameter is
+replicated over dp (its TP piece). The global loss is the mean of the dp ranks' losses, so its
+gradient is (1/dp) Σ_d ∂L_d. Non-expert gradients: SUM over the dp group, / dp. An expert's local
+gradient already sums every rank of its EP group (their tokens came to it, and their gradients
+came back through the all-to-all's backward); the dp/ep ranks holding the same experts (same i)
+saw disjoint tokens: SUM over that replica group, / dp (not / (dp/ep)).
 
 Per MoE layer and micro-batch, rank r sends A = its kept slots routed to other ranks' experts and
 receives B = the other ranks' slots for its experts; the all-to-alls then send
     dispatch A rows, combine B rows (forward), their backwards B and A rows: 2(A+B)·dim·e bytes,
 plus the count exchange (ep-1)/ep · E · 8 bytes (int64). Load: rows this rank's experts process.
+With --tp t every TP rank of a data-parallel rank dispatches the same rows in its own EP group
+(the same bytes each), and the TP collectives add chapter 05's per block (formulas.py) plus each
+MoE layer's router weight gradient, less SP's re-gather (moe_tensor_parallel.moe_block_extra_bytes).
 """
 
 from __future__ import annotations
@@ -23,17 +28,26 @@ import torch.distributed as dist
 from common.cli import ConfigError, batch_layout, model_config, require
 from common.clip import clip_grads_by_global_norm_
 from common.collectives import all_gather_single
+from common.data import split_inputs_targets
 from common.dist import DistContext
 from common.memory import optimizer_state_tensors, storage_bytes
 from common.mesh import MeshError, build_mesh, mesh_shape
 from common.mixed_precision import MasterWeights
-from common.model import build_model, initializer, materialize
-from common.moe import RoutingPlan
+from common.model import build_model, initializer, loss_fn, materialize
 from common.optimizer_bytes import optimizer_state_bytes
 from common.reference import make_optimizer
 from common.run import Run, resolve_run
 from common.training import Strategy
-from tensor_parallel.expert_parallel import AllToAllDispatcher, expert_parallel
+from tensor_parallel.expert_parallel import (
+    CountingDispatcher,
+    all_to_all_bytes,
+    expert_parallel,
+    load_imbalance,
+)
+from tensor_parallel.formulas import Shape, microbatch_comm_bytes
+from tensor_parallel.moe_tensor_parallel import moe_block_extra_bytes, parallelize_moe_llama
+from tensor_parallel.parallelize import check_tp_sizes, vocab_parallel_loss
+from tensor_parallel.sharding import gather_full, local_piece, tp_shard_specs
 
 
 def is_expert(name: str) -> bool:
@@ -41,53 +55,50 @@ def is_expert(name: str) -> bool:
 
 
 def validate_moe(args: argparse.Namespace, world_size: int, options: object) -> Run:
-    """A MoE model: only --tp 1 --cp 1 (no SP); --ep (default: the world) divides the world and E
+    """A MoE model: --cp 1 (routing and the per-sequence aux loss need whole sequences); --tp t
+    (default 1) cuts every expert, --ep (default: every data-parallel rank) divides dp = W/t and E
     (the mesh's refusal: common/mesh.py)."""
     cfg = model_config(args)
-    E, tp, cp = cfg.n_experts, args.tp, args.cp
-    require(tp in (None, 1) and cp == 1 and not args.sequence_parallel,
-            f"--model {args.model} is a mixture-of-experts model: chapter 05 trains it with expert "
-            f"parallelism only, not --tp {tp} --cp {cp}{' --sequence-parallel' * args.sequence_parallel} "
-            f"(routing needs whole sequences; TP of experts is not implemented): use --tp 1 --cp 1 "
-            f"(the default for MoE) with --ep N")
+    tp, cp = args.tp or 1, args.cp
+    require(cp == 1, f"--model {args.model} is a mixture-of-experts model: not --cp {cp} (routing, "
+                     f"capacity and the per-sequence aux loss need whole sequences): use --cp 1 with "
+                     f"--tp and --ep N")
     try:
-        mesh = mesh_shape(world_size, ep=world_size if args.ep is None else args.ep, n_experts=E)
-    except MeshError as error:
-        raise ConfigError(f"--model {args.model}: {error}") from None
-    layout = batch_layout(args.global_batch, world_size, args.micro_batch, args.grad_accum)
+        dp = mesh_shape(world_size, tp=tp).dp
+        mesh = mesh_shape(world_size, tp=tp, ep=dp if args.ep is None else args.ep, n_experts=cfg.n_experts)
+        check_tp_sizes(tp, cfg.n_heads, cfg.n_kv_heads, cfg.hidden_dim, args.seq_len,
+                       args.sequence_parallel, cfg.expert_hidden_dim)
+    except (MeshError, ValueError) as error:
+        default = " (--ep defaults to every data-parallel rank)" if args.ep is None else ""
+        raise ConfigError(f"--model {args.model}: {error}{default}") from None
+    layout = batch_layout(args.global_batch, mesh.dp, args.micro_batch, args.grad_accum)
     return resolve_run(args, mesh, layout, options)
 
 
-class CountingDispatcher(AllToAllDispatcher):
-    """The all-to-all dispatcher, logging per dispatch from the routing counts (A, B, rows here)."""
-
-    def __init__(self, group, n_experts: int):
-        super().__init__(group, n_experts)
-        self.mine = slice(dist.get_rank(group) * self.local, (dist.get_rank(group) + 1) * self.local)
-        self.log: list[tuple[int, int, int]] = []
-
-    def dispatch(self, x: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, list[int]]:
-        counts = plan.counts.tolist()
-        rows, local_counts = super().dispatch(x, plan)
-        own = sum(counts[self.mine])
-        self.log.append((sum(counts) - own, sum(local_counts) - own, sum(local_counts)))
-        return rows, local_counts
-
-
 class ExpertParallelStrategy(Strategy):
-    """DP over the world, experts over EP groups, fp32 masters in mixed precision (as TP's)."""
+    """DP over the ranks of each TP index, experts over EP groups (and cut over TP), fp32 masters
+    in mixed precision (as TP's)."""
 
     def __init__(self, run: Run, ctx: DistContext):
         cfg, self.mixed = run.model, run.mixed
-        # EP group [r - i, r - i + ep), replica group {i, i + ep, …} (same experts), i = r mod ep
-        grid = build_mesh(run.mesh, ("ep", "expert_dp"))
+        self.sequence_parallel = run.options.sequence_parallel
+        # EP group: ep consecutive dp ranks of one TP index; replica group: the dp ranks with the
+        # same experts (same i = d mod ep); dp: every data-parallel rank of this TP index
+        grid = build_mesh(run.mesh, ("tp", "ep", "dp", "expert_dp"))
+        self.world, self.tp, self.ep, self.dp_size = grid.size, grid.tp, grid.ep, grid.dp
         self.ep_group, self.replica_group = grid.ep_group, grid.group("expert_dp")
-        self.world, self.ep, self.dp_size, self.dp_rank = grid.size, grid.ep, grid.dp, grid.dp_rank
+        self.tp_group, self.dp_group, self.dp_rank = grid.tp_group, grid.dp_group, grid.dp_rank
         self.model = build_model(cfg, dtype=run.dtype, device="meta")
+        self.specs = (parallelize_moe_llama(self.model, self.tp_group, self.sequence_parallel)
+                      if self.tp > 1 else tp_shard_specs(self.model, self.tp_group))
         self.layers = expert_parallel(self.model, self.ep_group, CountingDispatcher)
         mine = self.layers[0].dispatcher.mine
-        materialize(self.model, initializer(cfg, run.seed), ctx.device,
-                    lambda name, full: full[mine] if is_expert(name) else full)
+
+        def piece(name: str, full: torch.Tensor) -> torch.Tensor:  # its TP piece, then its experts
+            local = local_piece(full, self.specs[name])
+            return local[mine] if is_expert(name) else local
+
+        materialize(self.model, initializer(cfg, run.seed), ctx.device, piece)
         self.names = [n for n, _ in self.model.named_parameters()]
         self.weights = MasterWeights(self.model.parameters(), enabled=self.mixed)
         if self.mixed:
@@ -95,38 +106,53 @@ class ExpertParallelStrategy(Strategy):
         self.weights.accumulate_in_backward()
         self.optimizer = make_optimizer(self.weights.master, run.optimizer, run.lr)
         self.optimizer_name, self.clip_grad = run.optimizer, run.clip_grad
-        self.name, self.mesh = "ep", {"dp": self.world, "ep": self.ep}
+        self.name = "ep" if self.tp == 1 else "tp+ep"
+        self.mesh = {"dp": self.dp_size, **({"tp": self.tp} if self.tp > 1 else {}), "ep": self.ep}
         self.dim, self.n_experts, self.device = cfg.dim, cfg.n_experts, ctx.device
         self.e = self.model.output.weight.itemsize
         self.reduce_itemsize = 4 if self.mixed else self.e  # fp32 master gradients in mixed precision
         self.steps_log: list[list[tuple[int, int, int]]] = []
+        self.shape = Shape(run.micro_batch, run.seq_len, cfg.dim, cfg.n_heads, cfg.n_kv_heads,
+                           cfg.hidden_dim, cfg.n_layers, cfg.vocab_size, cfg.head_dim, self.tp,
+                           self.sequence_parallel, self.e)
+        self.grad_accum = run.grad_accum
+
+    def micro_batch_loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        inputs, targets = split_inputs_targets(tokens)
+        if self.tp == 1:
+            return loss_fn(self.model(inputs), targets)
+        return vocab_parallel_loss(self.model.output, self.model(inputs), targets)
 
     def _named(self, grads: bool) -> dict[str, torch.Tensor]:
         return {n: (m.grad if grads else m) for n, m in zip(self.names, self.weights.master, strict=True)}
 
     def after_backward(self) -> None:
-        """Non-expert: SUM over the world; expert: SUM over the replica group; both / W."""
+        """Non-expert: SUM over the dp group; expert: SUM over the replica group; both / dp."""
         named = self._named(True)
-        replicas = self.world // self.ep
-        for expert, group, size in ((False, None, self.world), (True, self.replica_group, replicas)):
+        replicas = self.dp_size // self.ep
+        for expert, group, size in ((False, self.dp_group, self.dp_size),
+                                    (True, self.replica_group, replicas)):
             grads = [g for n, g in named.items() if is_expert(n) == expert]
             flat = torch.cat([g.reshape(-1) for g in grads])
             if size > 1:
                 dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-            flat.div_(self.world)
+            flat.div_(self.dp_size)
             for g, chunk in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
                 g.copy_(chunk.view_as(g))
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """‖g‖² summed over the EP group: disjoint expert slices, the rest counted on its rank 0."""
+        """‖g‖² summed over the EP and TP groups: disjoint expert slices, the rest counted on the
+        EP group's rank 0; TP pieces once (a replicated one on one of its copies)."""
         grads = self._named(True)
         first = dist.get_rank(self.ep_group) == 0
-        counted = [g for n, g in grads.items() if is_expert(n) or first]
-        return clip_grads_by_global_norm_(grads.values(), max_norm, counted, groups=(self.ep_group,))
+        counted = [g for n, g in grads.items() if self.specs[n].counted_here and (is_expert(n) or first)]
+        return clip_grads_by_global_norm_(grads.values(), max_norm, counted,
+                                          groups=(self.ep_group, self.tp_group))
 
     def _full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The experts gathered over the EP group (rank i's slice is rows [i·E/ep, (i+1)·E/ep))."""
-        out = {n: t.detach() for n, t in tensors.items()}
+        """The TP pieces gathered over the TP group, then the experts over the EP group (rank i's
+        slice is rows [i·E/ep, (i+1)·E/ep))."""
+        out = gather_full(tensors, self.specs)
         for n, t in out.items():
             if is_expert(n) and self.ep > 1:
                 out[n] = t.new_empty(self.ep * t.shape[0], *t.shape[1:])
@@ -151,22 +177,27 @@ class ExpertParallelStrategy(Strategy):
             layer.dispatcher.log = []
 
     def all_to_all_formula(self) -> float:
-        """Σ over dispatches of 2(A+B)·dim·e + the counts' (ep-1)/ep · E · 8."""
-        counts = (self.ep - 1) / self.ep * self.n_experts * 8
-        return sum(2 * (a + b) * self.dim * self.e + counts for step in self.steps_log for a, b, _ in step)
+        """Σ over dispatches of 2(A+B)·dim·e + the counts' (ep-1)/ep · E · 8 (all_to_all_bytes)."""
+        return sum(all_to_all_bytes(a, b, self.dim, self.e, self.ep, self.n_experts)
+                   for step in self.steps_log for a, b, _ in step)
 
     def formulas(self, steps: int) -> tuple[float, dict[str, float]]:
-        """Per rank: the all-to-alls + per step 2(W-1)/W·P_rest·e_r + 2(g-1)/g·P_experts·e_r
-        (g = W/ep) + the clip's one scalar over the EP group; params P_local·e, grads
-        P_local·e_r, optimizer by optimizer_state_bytes (+ the fp32 master in mixed precision)."""
+        """Per rank: the all-to-alls + per step 2(d-1)/d·P_rest·e_r + 2(g-1)/g·P_experts·e_r
+        (d = dp, g = dp/ep, P: this rank's TP pieces) + the clip's one scalar over the EP and TP
+        groups + under TP, per micro-batch, chapter 05's blocks, embedding and head and each MoE
+        layer's router gradient; params P_local·e, grads P_local·e_r, optimizer by
+        optimizer_state_bytes (+ the fp32 master in mixed precision)."""
         sizes = {True: 0, False: 0}
         for n, p in self.model.named_parameters():
             sizes[is_expert(n)] += p.numel()
-        g, P = self.world // self.ep, sum(sizes.values())
-        per_step = ((2 * (self.world - 1) / self.world) * sizes[False] + (2 * (g - 1) / g) * sizes[True])
+        d, g, P = self.dp_size, self.dp_size // self.ep, sum(sizes.values())
+        per_step = ((2 * (d - 1) / d) * sizes[False] + (2 * (g - 1) / g) * sizes[True])
         per_step *= self.reduce_itemsize
         if self.clip_grad is not None:
-            per_step += 2 * (self.ep - 1) / self.ep * (8 if self.e == 8 else 4)
+            per_step += sum(2 * (n - 1) / n * (8 if self.e == 8 else 4) for n in (self.ep, self.tp))
+        if self.tp > 1:
+            moe = len(self.layers) * moe_block_extra_bytes(self.shape, self.n_experts)
+            per_step += self.grad_accum * (microbatch_comm_bytes(self.shape) + moe)
         master = self.weights.master[0].itemsize
         opt = optimizer_state_bytes(self.optimizer_name, P, master, len(self.names))
         opt += P * master if self.mixed else 0
@@ -175,23 +206,16 @@ class ExpertParallelStrategy(Strategy):
 
     def report_extras(self) -> dict:
         """The all-to-all formula; the rows each rank's experts processed in each dispatch (one per
-        MoE layer and micro-batch) and per step, and per step `load_imbalance` of the dispatches.
+        MoE layer and micro-batch) and per step, and per step `load_imbalance` of the dispatches,
+        over the dp ranks of this TP index (they hold the experts; its TP ranks take the same rows).
         A collective."""
         load = torch.tensor([[n for _, _, n in step] for step in self.steps_log],
                             dtype=torch.float64, device=self.device)
-        every = [torch.empty_like(load) for _ in range(self.world)]
-        dist.all_gather(every, load)
-        rows = torch.stack(every, -1)  # [steps, dispatches, world]
+        every = [torch.empty_like(load) for _ in range(self.dp_size)]
+        dist.all_gather(every, load, group=self.dp_group)
+        rows = torch.stack(every, -1)  # [steps, dispatches, dp]
         imbalance = load_imbalance(rows, self.ep)
         return {"ep": self.ep, "ep_all_to_all_bytes_formula": self.all_to_all_formula(),
                 "ep_rows_per_rank": rows.sum(1).tolist(), "ep_rows_per_dispatch": rows.tolist(),
                 "ep_load_imbalance": imbalance.tolist(), "ep_load_imbalance_max": imbalance.max().item()}
 
-
-def load_imbalance(rows: torch.Tensor, ep: int) -> torch.Tensor:
-    """rows [steps, dispatches, world]: the rows each rank's experts took in each dispatch (EP
-    groups: ep consecutive ranks) → per step, the max over dispatches and groups of max/mean
-    over the group. Each layer's all-to-all waits for its slowest rank, so a step is as slow as
-    its worst dispatch: rows summed over a step's layers would average the stragglers out."""
-    grouped = rows.unflatten(-1, (-1, ep))
-    return (grouped.amax(-1) / grouped.mean(-1).clamp_min(1e-300)).flatten(1).amax(-1)

@@ -1,15 +1,20 @@
-"""Chapter 07: 3D parallelism (TP × PP × FSDP on one mesh, CP as a fourth dimension) and the planner.
+"""Chapter 07: 3D parallelism (TP × PP × FSDP on one mesh; CP, EP and HSDP's replicas as more
+dimensions) and the planner.
 
 The pieces a trainer calls (core files: torch, common's kernel, chapters 04–06 by package name):
     (the mesh)         the kernel's common/mesh.py: build_mesh(mesh_shape(world, tp=, pp=, cp=))
-                       -> ParallelMesh (TP innermost, then CP, DP, PP outermost; .tp_group,
-                       .cp_group, .dp_cp_group (FSDP's), .pp_group)
+                       -> ParallelMesh (TP innermost, then CP, DP (shard, then replicate), PP
+                       outermost, EP borrowed from dp_shard × cp; .tp_group, .cp_group,
+                       .dp_cp_group (FSDP's), .ep_group, .pp_group, .group(name))
     parallelize.py     parallelize_3d(model, mesh, Parallel3DConfig(...), device) -> (chunks,
                        tp_specs): the recipe, apply_pipeline_split → apply_tensor_parallel →
                        apply_context_parallel (cp > 1) → apply_recompute → apply_fsdp (over the
                        DP × CP group); activation_shape, rank_inputs (what the chunks take)
-    shards.py          shard_map(chunks, tp_specs, mesh) -> ShardMap: which elements of which
-                       reference tensor this rank holds; gather_full (for --check)
+    experts.py         parallelize_moe_3d(model, mesh, config, device): the recipe for a MoE model
+                       (05's MoE plan, then expert parallelism: slices, all-to-all, the experts'
+                       FSDP units over dp_shard_mod_ep dividing by dp·cp); expert_slices
+    shards.py          shard_map(chunks, tp_specs, mesh, ep_slices=None) -> ShardMap: which elements
+                       of which reference tensor this rank holds; gather_full (for --check)
     clip.py            clip_grad_norm_3d(shards, max_norm): the true global norm
     recompute.py       apply_recompute(blocks, "none" | "full" | "selective"), Recomputed
     lr_schedule.py     warmup_cosine(step, total, warmup, min_ratio), warmup_cosine_scheduler

@@ -68,6 +68,11 @@ def describe_rank(cfg: LlamaConfig, mesh: ParallelMesh, schedule: Schedule,
                   compute_dtype.itemsize, clip, optimizer)
 
 
+def is_expert_unit(unit: UnitShard) -> bool:
+    """A unit of a MoE layer's routed experts (experts.py wraps each GroupedExperts alone)."""
+    return bool(unit.params) and all(".experts." in p.name for p in unit.params)
+
+
 def state_bytes_formula(units: tuple[UnitShard, ...], optimizer: str) -> dict[str, float]:
     """Params and grads: this rank's flat shards; optimizer: AdamW's m and v (2×) + a step
     counter per unit."""
@@ -107,9 +112,11 @@ def activation_formula(r: Rank3D) -> float:
     return peak
 
 
-def memory_formula(r: Rank3D) -> dict[str, float]:
-    """{params, grads, optimizer, activations_peak} bytes this rank should hold."""
-    return {**state_bytes_formula(r.units, r.optimizer), "activations_peak": activation_formula(r)}
+def memory_formula(r: Rank3D) -> dict[str, float | None]:
+    """{params, grads, optimizer, activations_peak} bytes this rank should hold (a MoE model's
+    activations depend on its routing: no closed form, None)."""
+    activations = None if r.cfg.n_experts else activation_formula(r)
+    return {**state_bytes_formula(r.units, r.optimizer), "activations_peak": activations}
 
 
 def schedule_extras(r: Rank3D) -> dict:
@@ -128,7 +135,7 @@ def memory_per_rank(mesh: ParallelMesh, memory: dict[str, int]) -> list[dict]:
     """Every rank's coordinates and measured params / optimizer bytes, on every rank (a
     collective over the world: `all_gather_object`)."""
     at = mesh.coordinates
-    mine = {"rank": mesh.rank, "dp": at.dp, "pp": at.pp, "cp": at.cp, "tp": at.tp,
+    mine = {"rank": mesh.rank, "dp": at.dp, "pp": at.pp, "cp": at.cp, "tp": at.tp, "ep": at.ep,
             "params": memory["params"], "optimizer": memory["optimizer"]}
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, mine)

@@ -154,11 +154,13 @@ def held(chunks: list[FSDP], ref_specs: dict | None = None, init=None) -> dict:
 def bytes_by_group(meter: CommMeter, sends: P2PRecorder, mesh, schedule, chunks, clip: bool) -> dict:
     """{kind: (measured, formula)} for TP, CP, PP, FSDP and the clipping all-reduce."""
     def p2p(group) -> float:
-        ranks = tuple(dist.get_process_group_ranks(group))
+        ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
         return sum(op.nbytes for g in sends.groups.get(ranks, []) for op in g if op.kind == "send")
 
     def over(group) -> float:
-        return meter.bytes_over(group) if dist.get_world_size(group) > 1 else 0.0
+        """The collectives' bytes over `group`: the meter's count over its ranks holds the batched
+        sends too (the CP ring's, when the CP group is the dp·cp one at dp = 1)."""
+        return meter.bytes_over(group) - p2p(group) if dist.get_world_size(group) > 1 else 0.0
 
     r = describe_rank(CFG, mesh, schedule, chunks, Parallel3DConfig(), 1, SEQ, torch.float64, clip, "sgd")
     recompute = r.parallel.activation_checkpointing
@@ -173,4 +175,4 @@ def bytes_by_group(meter: CommMeter, sends: P2PRecorder, mesh, schedule, chunks,
     return {"TP": (over(mesh.tp_group), tp), "CP ring": (p2p(mesh.cp_group) if mesh.cp > 1 else 0.0, cp),
             "PP": (p2p(mesh.pp_group) if mesh.pp > 1 else 0.0, pp),
             "FSDP (dp·cp)": (over(mesh.dp_cp_group), comm_bytes_per_step(r, 1) - tp - cp - pp - world),
-            "clipping (world)": (meter.bytes_over(None), world)}
+            "clipping (world)": (over(None), world)}

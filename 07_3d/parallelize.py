@@ -1,10 +1,14 @@
 """The 3D recipe: one rank's part of LLaMA in five steps, each from its chapter, in torchtitan's
 order (`parallelize_llama`): split into pipeline stages, tensor-parallelize, context-parallelize,
-recompute, FSDP-wrap.
+(a MoE model: expert-parallelize,) recompute, FSDP-wrap.
 
     model (meta) → this rank's v chunks (06) → TP pieces over the TP group (05)
                  → attention over the CP ring (05, cp > 1) → blocks wrapped for recomputation (07)
-                 → flat shards over the DP × CP group (04: the CP ranks hold the same parameters)
+                 → flat shards over the DP × CP group (04: the CP ranks hold the same parameters);
+                   HSDP (HYBRID_SHARD, _HYBRID_SHARD_ZERO2): over dp_shard × cp, all-reduced
+                   over dp_replicate
+A MoE model takes experts.py's `parallelize_moe_3d`: this recipe with 05's MoE plan and, before
+FSDP, expert parallelism (`tensor_parallel` and `experts` below are its two seams).
 
 Under CP a rank holds the zig-zag chunks cp_rank and 2·cp−1−cp_rank of each sequence (s/cp
 tokens): `rank_inputs` gives it those tokens of each micro-batch and their global positions, which
@@ -22,6 +26,7 @@ that overlap this rank's shard, cuts their TP piece and keeps its 1/dp. A user's
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,8 +43,8 @@ from tensor_parallel.context_parallel import sequence_positions, shard_sequence
 from tensor_parallel.parallelize import parallelize_llama
 from tensor_parallel.sharding import TPShard, local_piece
 
-# HSDP (04's HYBRID_SHARD) needs a replicate dimension in the mesh: not wired here yet
-FLAT_STRATEGIES = tuple(s.name for s in ShardingStrategy if s not in HYBRID_STRATEGIES)
+STRATEGIES = tuple(s.name for s in ShardingStrategy)
+HYBRID = tuple(s.name for s in HYBRID_STRATEGIES)  # HSDP: --dp-replicate R > 1
 
 
 @dataclass(frozen=True)
@@ -52,15 +57,14 @@ class Parallel3DConfig:
     virtual_stages: int | None = None
     sequence_parallel: bool = False
     activation_checkpointing: str = "none"  # none | selective | full
-    sharding_strategy: str = "FULL_SHARD"  # FULL_SHARD | SHARD_GRAD_OP | NO_SHARD
+    sharding_strategy: str = "FULL_SHARD"  # FULL_SHARD | SHARD_GRAD_OP | NO_SHARD | HYBRID_SHARD | …
     mixed_precision: str = "none"  # none | bf16
     seed: int = 0
 
     def __post_init__(self):
         for field, value, allowed in (("schedule", self.schedule, SCHEDULES),
                                       ("activation_checkpointing", self.activation_checkpointing, MODES),
-                                      ("sharding_strategy", self.sharding_strategy,
-                                       FLAT_STRATEGIES),
+                                      ("sharding_strategy", self.sharding_strategy, STRATEGIES),
                                       ("mixed_precision", self.mixed_precision, ("none", "bf16"))):
             if value not in allowed:
                 raise ValueError(f"Parallel3DConfig({field}={value!r}): use one of {', '.join(allowed)}")
@@ -71,13 +75,18 @@ class Parallel3DConfig:
         return virtual_stages(self.schedule, self.virtual_stages)
 
 
-def parallelize_3d(model: Llama, mesh: ParallelMesh, config: Parallel3DConfig,
-                   device: torch.device) -> tuple[list[FullyShardedDataParallel], dict[str, TPShard]]:
-    """This rank's FSDP-wrapped chunks, and the TPShard of every reference parameter they hold."""
+def parallelize_3d(model: Llama, mesh: ParallelMesh, config: Parallel3DConfig, device: torch.device,
+                   tensor_parallel: Callable = parallelize_llama, experts: Callable | None = None
+                   ) -> tuple[list[FullyShardedDataParallel], dict[str, TPShard]]:
+    """This rank's FSDP-wrapped chunks, and the TPShard of every reference parameter they hold.
+    `tensor_parallel(chunk, tp_group, sp)` cuts a chunk (05's dense plan; a MoE model's plan);
+    `experts(chunks, tp_specs)`, if given, runs before recomputation and FSDP (expert parallelism)."""
     chunks = apply_pipeline_split(model, mesh, config)
-    tp_specs = apply_tensor_parallel(chunks, mesh.tp_group, config.sequence_parallel)
+    tp_specs = apply_tensor_parallel(chunks, mesh.tp_group, config.sequence_parallel, tensor_parallel)
     if mesh.cp > 1:
         apply_context_parallel(chunks, mesh.cp_group)
+    if experts is not None:
+        experts(chunks, tp_specs)
     for chunk in chunks:
         apply_recompute(chunk.layers, config.activation_checkpointing)
     init = initializer(model.cfg, config.seed)
@@ -96,27 +105,42 @@ def apply_context_parallel(chunks: list[LlamaChunk], group) -> None:
         context_parallel(chunk, group)
 
 
-def apply_tensor_parallel(chunks: list[LlamaChunk], group, sp: bool) -> dict[str, TPShard]:
+def apply_tensor_parallel(chunks: list[LlamaChunk], group, sp: bool,
+                          tensor_parallel: Callable = parallelize_llama) -> dict[str, TPShard]:
     """05: each chunk cut over the TP group by LLAMA_TP_PLAN, in place (the embedding and the head
     where the chunk holds them)."""
-    return {name: spec for chunk in chunks for name, spec in parallelize_llama(chunk, group, sp).items()}
+    return {name: spec for chunk in chunks for name, spec in tensor_parallel(chunk, group, sp).items()}
+
+
+def mixed_precision(config: Parallel3DConfig) -> MixedPrecision | None:
+    """bf16 compute, fp32 master shards and gradient reduction (04's MixedPrecision), or None."""
+    bf16 = config.mixed_precision == "bf16"
+    return MixedPrecision(torch.bfloat16, torch.float32, torch.bfloat16) if bf16 else None
+
+
+def fsdp_groups(mesh: ParallelMesh, sharding_strategy: str, shard: str = "dp_shard_cp"):
+    """FSDP's process_group: the mesh's `shard` group, and under HSDP the pair (shard group,
+    dp_replicate group). Without HSDP dp_replicate is 1 and dp_shard_cp is all of dp × cp."""
+    if sharding_strategy in HYBRID:
+        return mesh.group(shard), mesh.group("dp_replicate")
+    return mesh.dp_cp_group if shard == "dp_shard_cp" else mesh.group(shard)
 
 
 def apply_fsdp(chunks: list[LlamaChunk], mesh: ParallelMesh, config: Parallel3DConfig,
                tp_specs: dict[str, TPShard], init, device: torch.device) -> list[FullyShardedDataParallel]:
     """04: one unit per block (its recompute wrapper under full recomputation), the rest of the
     chunk as the root unit, sharded over the DP × CP group (gradients averaged over its dp·cp
-    ranks); each unit draws only the TP pieces that overlap this rank's shard."""
+    ranks; HSDP: sharded over dp_shard × cp, all-reduced over dp_replicate); each unit draws only
+    the TP pieces that overlap this rank's shard. Units already made (experts) are kept."""
     unit = Recomputed if config.activation_checkpointing == "full" else TransformerBlock
-    bf16 = config.mixed_precision == "bf16"
-    mp = MixedPrecision(torch.bfloat16, torch.float32, torch.bfloat16) if bf16 else None
-    sharding = ShardingStrategy[config.sharding_strategy]
 
     def tp_piece(name: str, _) -> torch.Tensor:
         return local_piece(init(unwrapped_name(name)), tp_specs[unwrapped_name(name)])
 
-    return [FullyShardedDataParallel(c, process_group=mesh.dp_cp_group, sharding_strategy=sharding,
-                                     mixed_precision=mp, auto_wrap_policy=ModuleWrapPolicy({unit}),
+    return [FullyShardedDataParallel(c, process_group=fsdp_groups(mesh, config.sharding_strategy),
+                                     sharding_strategy=ShardingStrategy[config.sharding_strategy],
+                                     mixed_precision=mixed_precision(config),
+                                     auto_wrap_policy=ModuleWrapPolicy({unit}),
                                      device_id=device, shard_init_fn=tp_piece, forward_prefetch=True)
             for c in chunks]
 

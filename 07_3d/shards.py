@@ -10,13 +10,18 @@ Per FSDP unit of its chunks a rank holds one flat shard:
                                 i = tp_rank // copies                           (05's TPShard)
 
 so each name's overlap with [r·S, (r+1)·S) is a flat range of a TP box: one `Region`
-(checkpoint/reshard.py), a `HeldPiece`. A piece is *counted* on exactly one of the ranks that hold
-the same elements, so a sum over the world (a norm, a gather) meets every element once:
+(checkpoint/reshard.py), a `HeldPiece`. Under expert parallelism an expert tensor's box also
+starts at its EP slice along dim 0 (`EPSlice`: experts [e·E/ep, (e+1)·E/ep)), and its unit is
+sharded over dp_shard_mod_ep, the ranks of one replica holding the same experts. A piece is
+*counted* on exactly one of the ranks that hold the same elements, so a sum over the world (a
+norm, a gather) meets every element once:
 
-    FSDP-sharded unit       shards are disjoint over dp × cp:   counted everywhere
-    NO_SHARD unit           replicated over dp × cp:           counted on dp_rank = cp_rank = 0
+    FSDP-sharded unit       shards disjoint over its shard group:  counted on dp_replicate 0
+    NO_SHARD unit           replicated over its group:  counted on its group's rank 0 (dp·cp index
+                            j = s·C + c; an expert unit: j div ep, its place among the same experts)
+    HSDP                    every shard again on each dp_replicate: counted on dp_replicate 0
     TP-replicated tensor    the same piece on `copies` ranks:  counted where tp_rank % copies = 0
-    (pipeline stages hold disjoint layers: nothing to exclude)
+    (pipeline stages hold disjoint layers, EP ranks disjoint experts: nothing to exclude)
 
 Depends only on torch (and chapters 04, 05 by package name).
 """
@@ -35,6 +40,15 @@ from fsdp.fully_sharded import FullyShardedDataParallel
 from parallel3d.checkpoint.reshard import Region, copy_overlap
 from parallel3d.recompute import unwrapped_name
 from tensor_parallel.sharding import TPShard
+
+
+@dataclass(frozen=True)
+class EPSlice:
+    """An expert tensor under expert parallelism: this rank holds rows [start, start + rows) of
+    its dim 0 (its experts) of the `full` rows (E)."""
+
+    start: int
+    full: int
 
 
 @dataclass(frozen=True)
@@ -66,32 +80,49 @@ class ShardMap:
 
 
 def shard_map(chunks: Sequence[FullyShardedDataParallel], tp_specs: dict[str, TPShard],
-              mesh: ParallelMesh) -> ShardMap:
-    """The ShardMap of this rank's FSDP-wrapped chunks (parallelize_3d's result). No collective."""
+              mesh: ParallelMesh, ep_slices: dict[str, EPSlice] | None = None) -> ShardMap:
+    """The ShardMap of this rank's FSDP-wrapped chunks (parallelize_3d's result; `ep_slices`: the
+    expert tensors' EP slices, experts.expert_slices). No collective."""
     units = tuple(u for chunk in chunks for u in chunk.shard_layout())
-    replica = mesh.dp_rank != 0 or mesh.cp_rank != 0  # of a NO_SHARD unit's dp × cp copies
+    ep_slices = ep_slices or {}
     pieces = []
     for i, unit in enumerate(units):
         for p in unit.params:
             if not p.numel:
                 continue
             name = unwrapped_name(p.name)
-            spec = tp_specs[name]
-            counted = not (unit.shard_world == 1 and replica) and mesh.tp_rank % spec.copies == 0
-            region = tp_region(spec, tuple(p.shape), mesh.tp_rank, p.offset, p.numel)
+            spec, ep = tp_specs[name], ep_slices.get(name)
+            counted = first_holder(unit, mesh, ep is not None) and mesh.tp_rank % spec.copies == 0
+            region = tp_region(spec, tuple(p.shape), mesh.tp_rank, p.offset, p.numel, ep)
             pieces.append(HeldPiece(name, i, p.shard_offset, region, counted))
     return ShardMap(units, tuple(pieces))
 
 
+def holder_index(mesh: ParallelMesh, expert: bool) -> int:
+    """This rank's place among the ranks of one replica that hold the same (pp, tp) parameters:
+    its dp_shard·cp index j = s·C + c, or for an expert unit j div ep (dp_shard_mod_ep)."""
+    at = mesh.coordinates
+    return at.dp_shard_mod_ep if expert else at.dp_shard * mesh.cp + at.cp
+
+
+def first_holder(unit: UnitShard, mesh: ParallelMesh, expert: bool) -> bool:
+    """Whether this rank's copy of `unit`'s shard is the one a sum over the world counts: on the
+    first replica (dp_replicate 0), and for an unsharded unit on the first rank of its group."""
+    return mesh.coordinates.dp_replicate == 0 and (unit.shard_world > 1 or holder_index(mesh, expert) == 0)
+
+
 def tp_region(spec: TPShard, local_shape: tuple[int, ...], tp_rank: int, flat_start: int,
-              numel: int) -> Region:
+              numel: int, ep: EPSlice | None = None) -> Region:
     """Elements [flat_start, flat_start + numel) of the TP-local tensor (shape `local_shape`)
     of TP rank `tp_rank`, placed in the full tensor: its box starts at piece tp_rank // copies
-    along the split dim (the last box may reach into the padding)."""
+    along the split dim (the last box may reach into the padding), and at `ep.start` along dim 0
+    for an expert tensor."""
     offsets, full = [0] * len(local_shape), list(local_shape)
     if not spec.replicated:
         offsets[spec.dim] = (tp_rank // spec.copies) * local_shape[spec.dim]
         full[spec.dim] = spec.full_size
+    if ep is not None:
+        offsets[0], full[0] = ep.start, ep.full
     return Region(tuple(full), tuple(offsets), local_shape, flat_start, numel)
 
 

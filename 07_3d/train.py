@@ -2,6 +2,8 @@
 
     torchrun --standalone --nproc-per-node 8 07_3d/train.py --dp 2 --pp 2 --tp 2 --schedule 1f1b
     torchrun --standalone --nproc-per-node 8 07_3d/train.py --cp 2 --tp 2 --pp 2 --sequence-parallel
+    torchrun --standalone --nproc-per-node 8 07_3d/train.py --model tiny-moe --ep 2 --tp 2 --pp 2
+    torchrun --standalone --nproc-per-node 8 07_3d/train.py --dp-replicate 2 --dp-shard 2 --tp 2
 
 `validate` turns the flags into the frozen run (common/run.py: every default resolved, the mesh
 among them; its options are Train3DOptions), and `build` makes the strategy from it. Build: every
@@ -18,6 +20,9 @@ attention passes K/V around the CP ring, and FSDP averages the gradients over dp
               = (1/n) Σ_all ∇ℓ_i                                    (the global-token mean)
 
 `--check` gathers full gradients and parameters from the mesh against the single-device reference.
+HSDP (`--dp-replicate R`, HYBRID_SHARD): FSDP shards over dp_shard × cp, all-reduces each shard
+over the R replicas. A MoE model (`--ep N`): experts.py's recipe, each MoE layer's experts split
+over EP groups of N consecutive data-parallel ranks and cut over TP (experts_and_hybrid.md).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from common.cli import (
 from common.data import ByteCorpus
 from common.dist import DistContext
 from common.memory import ActivationMeter
-from common.mesh import MeshError, build_mesh, mesh_shape
+from common.mesh import MeshError, MeshShape, build_mesh, mesh_shape
 from common.model import LlamaConfig, build_model
 from common.patch import patch_dist
 from common.reference import make_optimizer
@@ -64,10 +69,18 @@ from parallel3d.checkpoint.trainer import (
     trainer_config,
 )
 from parallel3d.clip import clip_grad_norm_3d
-from parallel3d.comm_formulas import comm_bytes_per_step, cp_bytes_per_step
+from parallel3d.comm_formulas import comm_bytes_by_dim, cp_bytes_per_step, formulas_by_group, group_labels
+from parallel3d.experts import (
+    all_to_all_formula,
+    dispatch_logs,
+    expert_slices,
+    load_imbalance,
+    parallelize_moe_3d,
+)
 from parallel3d.lr_schedule import warmup_cosine_scheduler
 from parallel3d.parallelize import (
-    FLAT_STRATEGIES,
+    HYBRID,
+    STRATEGIES,
     Parallel3DConfig,
     activation_shape,
     parallelize_3d,
@@ -83,6 +96,12 @@ from tensor_parallel import check_cp_sizes, check_tp_sizes, vocab_parallel_loss
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = base_parser(__doc__.splitlines()[0])
     p.add_argument("--dp", type=int, default=None, help="data-parallel (FSDP) size (default: inferred)")
+    p.add_argument("--dp-replicate", type=int, default=None, metavar="R", help="HSDP: the replicas of "
+                   "FSDP's shards (e.g. nodes), each shard all-reduced over them; dp = R × dp_shard")
+    p.add_argument("--dp-shard", type=int, default=None, metavar="S",
+                   help="the ranks FSDP shards over in each replica (default: dp / R)")
+    p.add_argument("--ep", type=int, default=1, help="MoE models: expert-parallel size, borrowed from "
+                   "dp_shard: EP groups of ep consecutive data-parallel ranks, each with E/ep experts")
     p.add_argument("--pp", type=int, default=None,
                    help="pipeline stages (default: 2 when the world size is a multiple of 4, else 1)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size, innermost: one node "
@@ -96,8 +115,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model chunks per pipeline rank (interleaved: default 2, else 1)")
     p.add_argument("--sequence-parallel", action="store_true", help="SP inside the TP regions")
     p.add_argument("--activation-checkpointing", default="none", help=" | ".join(MODES))
-    p.add_argument("--sharding-strategy", default="FULL_SHARD",
-                   help="FSDP over the DP group: FULL_SHARD (ZeRO-3) | SHARD_GRAD_OP | NO_SHARD")
+    p.add_argument("--sharding-strategy", default=None,
+                   help="FSDP over the DP group: FULL_SHARD (ZeRO-3, the default) | SHARD_GRAD_OP | NO_SHARD "
+                        "| HYBRID_SHARD (HSDP, the default with --dp-replicate) | _HYBRID_SHARD_ZERO2")
     p.add_argument("--lr-schedule", default=None, help="cosine (warm-up + cosine) | constant "
                    "(default: cosine, constant under --check: the reference trains at a fixed LR)")
     p.add_argument("--warmup-steps", type=int, default=None, help="default: 10%% of --steps")
@@ -180,20 +200,25 @@ def validate(args: argparse.Namespace, world_size: int) -> Run:
     returns the run."""
     validate_common(args)
     cp = 1 if getattr(args, "cp", None) is None else args.cp  # namespaces built without it
-    tp, pp = args.tp, args.pp
-    if tp is None and pp is None and args.dp is None and world_size % (4 * max(cp, 1)) == 0:
+    replicate, shard = getattr(args, "dp_replicate", None), getattr(args, "dp_shard", None)
+    tp, pp, ep, cfg = args.tp, args.pp, getattr(args, "ep", 1), model_config(args)
+    given = (args.dp, replicate, shard)
+    if tp is None and pp is None and given == (None,) * 3 and world_size % (4 * max(cp, 1)) == 0:
         tp, pp = 2, 2  # the demo's default: 8 ranks → dp 2 × pp 2 × tp 2 (--cp 2: dp 1)
+    require(ep == 1 or cfg.n_experts, f"--ep {ep} with --model {args.model}: the model has no experts: "
+            "drop --ep, or use a mixture-of-experts model (e.g. --model tiny-moe)")
+    require(not cfg.n_experts or cp == 1, f"--cp {cp} with --model {args.model}, a mixture-of-experts "
+            "model: routing, capacity and the per-sequence aux loss need whole sequences; use --cp 1")
     try:
-        mesh = mesh_shape(world_size, tp or 1, pp or 1, args.dp, cp)
+        mesh = mesh_shape(world_size, tp or 1, pp or 1, args.dp, cp, dp_replicate=replicate,
+                          dp_shard=shard, ep=ep, n_experts=cfg.n_experts or None)
     except MeshError as error:
         raise ConfigError(str(error)) from None
     dp, pp, cp, tp = mesh.dp, mesh.pp, mesh.cp, mesh.tp
-    cfg = model_config(args)
     validate_context_parallel(args, cp)
     require(args.activation_checkpointing in MODES, f"--activation-checkpointing "
             f"{args.activation_checkpointing!r}: use one of {', '.join(MODES)}")
-    require(args.sharding_strategy in FLAT_STRATEGIES, f"--sharding-strategy "
-            f"{args.sharding_strategy!r}: use one of {', '.join(FLAT_STRATEGIES)}")
+    sharding = validate_sharding(args.sharding_strategy, mesh)
     lr_schedule = args.lr_schedule or ("constant" if args.check else "cosine")
     require(lr_schedule in ("cosine", "constant"), f"--lr-schedule {lr_schedule!r}: use cosine or constant")
     require(not (args.check and lr_schedule != "constant"),
@@ -204,7 +229,7 @@ def validate(args: argparse.Namespace, world_size: int) -> Run:
     require(0 <= args.min_lr_ratio <= 1, f"--min-lr-ratio {args.min_lr_ratio}: must be in [0, 1]")
     try:
         check_tp_sizes(tp, cfg.n_heads, cfg.n_kv_heads, cfg.hidden_dim, args.seq_len // cp,
-                       args.sequence_parallel)
+                       args.sequence_parallel, cfg.expert_hidden_dim if cfg.n_experts else 0)
     except ValueError as error:
         within = f" (the {args.seq_len // cp} tokens of a CP rank: --seq-len {args.seq_len} / --cp {cp})"
         raise ConfigError(f"--tp {tp}: {error}" + (within if cp > 1 else "")) from None
@@ -220,7 +245,7 @@ def validate(args: argparse.Namespace, world_size: int) -> Run:
             "--activation-checkpointing none, or --schedule 1f1b")
     checkpoint = validate_checkpoint_flags(args, cfg)  # reads metadata only: no collective
     parallel = Parallel3DConfig(args.schedule, v, args.sequence_parallel, args.activation_checkpointing,
-                                args.sharding_strategy, args.mixed_precision, args.seed)
+                                sharding, args.mixed_precision, args.seed)
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10)
     return resolve_run(args, mesh, layout, Train3DOptions(parallel, lr_schedule, warmup, args.min_lr_ratio,
                                                           checkpoint))
@@ -243,6 +268,22 @@ def validate_batch(args: argparse.Namespace, dp: int, pp: int) -> BatchLayout:
     return layout
 
 
+def validate_sharding(strategy: str | None, mesh: MeshShape) -> str:
+    """--sharding-strategy (default: HYBRID_SHARD with --dp-replicate R > 1, else FULL_SHARD):
+    HSDP's strategies exactly when there are replicas."""
+    hsdp = mesh.dp_replicate > 1
+    strategy = strategy or ("HYBRID_SHARD" if hsdp else "FULL_SHARD")
+    require(strategy in STRATEGIES, f"--sharding-strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
+    require(not hsdp or strategy in HYBRID,
+            f"--dp-replicate {mesh.dp_replicate} with --sharding-strategy {strategy}: {strategy} "
+            f"shards over all dp ranks; HSDP is --sharding-strategy {' or '.join(HYBRID)} (the "
+            "default with --dp-replicate), or drop --dp-replicate")
+    require(hsdp or strategy not in HYBRID,
+            f"--sharding-strategy {strategy} (HSDP) needs --dp-replicate R > 1, the replicas its "
+            f"shards are all-reduced over (dp {mesh.dp} = R × --dp-shard S), e.g. --dp-replicate 2")
+    return strategy
+
+
 def validate_context_parallel(args: argparse.Namespace, cp: int) -> None:
     """--cp: the zig-zag layout cuts each sequence into 2·cp equal chunks (without CP, any length)."""
     try:
@@ -250,6 +291,11 @@ def validate_context_parallel(args: argparse.Namespace, cp: int) -> None:
             check_cp_sizes(args.seq_len, cp)
     except ValueError as error:
         raise ConfigError(f"--cp {cp} with --seq-len {args.seq_len}: {error}") from None
+
+
+# the mesh's lines the trainer uses: TP, CP, PP; FSDP's (dp_shard_cp, HSDP's dp_replicate), the
+# experts' (ep, dp_shard_mod_ep); dp and dp_cp for the data and the lab's recipe
+DIMS = ("tp", "cp", "ep", "dp_shard_cp", "dp_replicate", "dp", "dp_cp", "dp_shard_mod_ep", "pp")
 
 
 class Parallel3DStrategy(Strategy):
@@ -260,10 +306,17 @@ class Parallel3DStrategy(Strategy):
     def __init__(self, run: Run, ctx: DistContext):
         options, parallel = run.options, run.options.parallel
         self.run, self.device, self.clip_grad = run, ctx.device, run.clip_grad
-        self.device_mesh = mesh = build_mesh(run.mesh, ("tp", "cp", "dp", "dp_cp", "pp"))
+        self.device_mesh = mesh = build_mesh(run.mesh, DIMS)
         meta = build_model(run.model, dtype=run.dtype, device="meta")
-        self.chunks, tp_specs = parallelize_3d(meta, mesh, parallel, ctx.device)
-        self.shards = shard_map(self.chunks, tp_specs, mesh)  # which reference elements it holds
+        moe = run.model.n_experts > 0
+        recipe = parallelize_moe_3d if moe else parallelize_3d  # MoE: + EP before FSDP (experts.py)
+        self.chunks, tp_specs = recipe(meta, mesh, parallel, ctx.device)
+        slices = expert_slices(tp_specs, mesh, run.model.n_experts) if moe else None
+        self.shards = shard_map(self.chunks, tp_specs, mesh, slices)  # which reference elements it holds
+        # the report's bytes over each line of more than one rank, beside their formulas
+        self.comm_groups = tuple((label, mesh.group(g)) for label, g in group_labels(mesh.ranks, moe).items())
+        self.group_formulas: dict[str, float] = {}
+        self.ep_steps: list[list[tuple[int, int, int]]] = []  # each step's dispatches (A, B, rows)
         self.model = nn.ModuleList(self.chunks)
         self.optimizer = make_optimizer(self.model.parameters(), run.optimizer, run.lr)
         self.scheduler = (warmup_cosine_scheduler(self.optimizer, run.steps, options.warmup_steps,
@@ -320,6 +373,7 @@ class Parallel3DStrategy(Strategy):
         return time.perf_counter() - start
 
     def after_step(self, done: int) -> None:
+        self.ep_steps.append(dispatch_logs(self.model))
         self.checkpoints.after_step(done)
 
     # --- --check: every element once, from the rank that counts it -------------------------------
@@ -336,15 +390,29 @@ class Parallel3DStrategy(Strategy):
         units = self.shards.units  # the gathered weights autograd saves are parameters, not activations
         return ActivationMeter([u.flat_param for u in units], gathered=lambda: [u.full for u in units])
 
+    def all_to_all_formula(self) -> float:
+        cfg, par = self.run.model, self.run.options.parallel
+        return all_to_all_formula(self.ep_steps, cfg.dim, self.rank3d.elem, self.device_mesh.ep,
+                                  cfg.n_experts, par.activation_checkpointing == "full")
+
     def formulas(self, steps: int) -> tuple[float, dict[str, float]]:
-        return comm_bytes_per_step(self.rank3d, steps), memory_formula(self.rank3d)
+        by_dim = {**comm_bytes_by_dim(self.rank3d, steps), "ep": self.all_to_all_formula()}
+        self.group_formulas = formulas_by_group(by_dim, self.device_mesh.ranks, self.device_mesh.size,
+                                                self.run.model.n_experts > 0)
+        return sum(by_dim.values()), memory_formula(self.rank3d)
 
     def report_extras(self) -> dict:
-        cp = {} if self.device_mesh.cp == 1 else {
-            "cp_comm_bytes": self.cp_sent[0],
-            "cp_comm_bytes_formula": cp_bytes_per_step(self.rank3d, self.steps_done)}
+        mesh = self.device_mesh
+        extras = {f"comm_bytes_{label}_formula": v for label, v in self.group_formulas.items()}
+        if mesh.cp > 1:
+            extras |= {"cp_comm_bytes": self.cp_sent[0],
+                       "cp_comm_bytes_formula": cp_bytes_per_step(self.rank3d, self.steps_done)}
+        if mesh.ep > 1:  # the meter's all_to_all_single bytes against the routing counts
+            imbalance, rows = load_imbalance(self.ep_steps, mesh, self.device)
+            extras |= {"ep_all_to_all_bytes_formula": self.all_to_all_formula(), "ep_rows_per_dispatch": rows,
+                       "ep_load_imbalance": imbalance, "ep_load_imbalance_max": max(imbalance)}
         tokens = self.steps_done * self.run.global_batch * self.run.seq_len
-        return {**cp, **schedule_extras(self.rank3d), "lr_schedule": self.run.options.lr_schedule,
+        return {**extras, **schedule_extras(self.rank3d), "lr_schedule": self.run.options.lr_schedule,
                 "mfu": mfu(self.run.model, self.run.seq_len, tokens, self.busy_s,
                            self.device_mesh.size, self.device),
                 "memory_per_rank": memory_per_rank(self.device_mesh, self.memory())}  # grads freed

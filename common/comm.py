@@ -14,8 +14,8 @@ the group size):
     recv, irecv                         S received   (listed, but not in `bytes_sent`)
 
 so a ring all-reduce built from sends totals the same as `dist.all_reduce`. A collective's bytes
-are also counted per group (by its global ranks): `bytes_over(group)`, e.g. HSDP's intra-node
-(shard group) and inter-node (replicate group) traffic.
+and a batched send's are also counted per group (by its global ranks): `bytes_over(group)`, e.g.
+HSDP's intra-node (shard group) and inter-node (replicate group) traffic, a pipeline's sends.
 """
 
 from __future__ import annotations
@@ -148,6 +148,9 @@ class CommMeter:
                 # batch_isend_irecv tests `op.op is isend` against the (now wrapped) module global
                 p2p.op = c10d.isend if send else c10d.irecv
                 self._record("isend" if send else "irecv", _nbytes(p2p.tensor))
+                if send:
+                    with self._lock:
+                        self.by_group[_ranks(p2p.group)] += _nbytes(p2p.tensor)
             self._inside.active = True
             try:
                 return fn(p2p_op_list)

@@ -73,11 +73,11 @@ def test_aux_loss_not_divided_like_the_loss_is_rejected(pools):
     check_strategy_rejected(pools, MOE_SPEC, aux_not_divided)
 
 
-def test_tensor_and_context_parallelism_refuse_a_moe_model():
-    """05's TP and CP (and 07, which applies 05's plan to every chunk) refuse MoE loudly rather than
-    shard the router's per-sequence sums or skip the experts: in validate (before any collective,
-    naming expert parallelism as the fix), and in parallelize_llama for a caller that skips it."""
-    with pytest.raises(ConfigError, match=r"--model tiny-moe is a mixture-of-experts model: .* with --ep N"):
-        validate(parse_args(["--model", "tiny-moe", "--tp", "2"]), 2)
-    with pytest.raises(ValueError, match="mixture-of-experts"):
+def test_context_parallelism_and_the_dense_plan_refuse_a_moe_model():
+    """05's CP refuses MoE loudly rather than shard the router's per-sequence sums (in validate,
+    before any collective), and the dense TP plan refuses it rather than skip the experts, naming
+    the MoE plan (moe_tensor_parallel.parallelize_moe_llama) for a caller that skips validate."""
+    with pytest.raises(ConfigError, match=r"--model tiny-moe is a mixture-of-experts model: not --cp 2"):
+        validate(parse_args(["--model", "tiny-moe", "--cp", "2"]), 2)
+    with pytest.raises(ValueError, match=r"mixture-of-experts.*parallelize_moe_llama"):
         parallelize_llama(build_model(get_config("tiny-moe"), device="meta"), tp_group=None)

@@ -35,6 +35,7 @@ from common.collectives import all_gather_single, reduce_scatter_single
 from common.model import RMSNorm
 from common.reference import relative_diff
 from data_parallel.ddp import DistributedDataParallel
+from fsdp.torch_fsdp2 import fsdp2_unavailable
 from tests.harness import RankError
 
 TORCH_NAMESPACES = (
@@ -44,7 +45,10 @@ TORCH_NAMESPACES = (
     "torch.distributed.device_mesh", "torch.utils.checkpoint", "torch.distributed.checkpoint",
     "torch.distributed.algorithms._checkpoint.checkpoint_wrapper")
 # our own name, torch's shape: the torch classes whose contract it keeps
-COUNTERPARTS = {"zero.optimizer.ZeroOptimizer": ("torch.distributed.optim.ZeroRedundancyOptimizer",)}
+COUNTERPARTS = {"zero.optimizer.ZeroOptimizer": ("torch.distributed.optim.ZeroRedundancyOptimizer",),
+               # FSDP1's shape, and FSDP2's (FSDPModule) for the FSDP2 methods it borrows
+               "fsdp.fully_sharded.FullyShardedDataParallel": (
+                   "torch.distributed.fsdp.FullyShardedDataParallel", "torch.distributed.fsdp.FSDPModule")}
 PROTOCOL = {"forward", "backward", "extra_repr", "setup_context"}  # every Module / Function defines them
 ALIASES = {"FullyShardedDataParallel": {"FSDP"}, "DistributedDataParallel": {"DDP"},
            "ZeroOptimizer": {"ZeroRedundancyOptimizer"}}  # what torch's docs and users call them
@@ -56,6 +60,7 @@ DDP = f"{HERE}::test_torchs_ddp_calls_give_torchs_results"
 ZERO = "tests/test_zero_optimizer.py::test_torchs_zero_redundancy_optimizer_calls_give_torchs_results"
 COLLECTIVES = f"{HERE}::test_collectives_take_torchs_signatures"
 NORM = f"{HERE}::test_rmsnorm_is_torchs_rmsnorm_where_it_takes_one_dimension"
+DIVIDE = f"{HERE}::test_gradient_divide_factor_divides_as_torchs_fsdp2"
 MEMBERS = f"{CONTRACT}::test_enums_have_torchs_members_hybrid_shard_included"
 SIZE_POLICY = f"{CONTRACT}::test_size_based_policy_answers_as_torchs"
 LAYER_POLICY = f"{CONTRACT}::test_transformer_policy_answers_as_torchs"
@@ -110,6 +115,7 @@ ENTRY_POINTS: dict[str, str] = {
     f"{F}(sync_module_states)": "tests/test_fsdp.py::test_sync_module_states_and_inf_norm_clipping",
     f"{F}(use_orig_params)":
         "tests/test_fsdp_drop_in.py::test_users_loop_with_original_parameters_equals_single_device",
+    **entries(F, DIVIDE, ".set_gradient_divide_factor", ".set_gradient_divide_factor(factor)"),
     f"{W}.BackwardPrefetch.BACKWARD_POST": PREFETCH,
     f"{W}.ShardingStrategy.HYBRID_SHARD": HYBRID,
     f"{W}.ShardingStrategy.NO_SHARD": SHARDING,
@@ -414,6 +420,43 @@ def test_rmsnorm_is_torchs_rmsnorm_where_it_takes_one_dimension(dtype):
         RMSNorm((5, 8), eps=1e-5)
     with pytest.raises(TypeError, match="eps"):
         RMSNorm(8)
+
+
+def divided_gradients(ours: bool, factor: float | None) -> dict[str, torch.Tensor]:
+    """One unit over 2 ranks, each rank its own rows, FSDP2's `set_gradient_divide_factor(factor)`
+    (None: not called) on torch's fully_shard or ours: the full gradients after one backward, read
+    as the weights one SGD step with lr 1 moved (each framework's own full state dict)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp.fully_sharded import FullyShardedDataParallel
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(dist.get_rank()), dtype=torch.float64)
+    if ours:
+        model = FullyShardedDataParallel(model)
+    else:
+        fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    if factor is not None:
+        model.set_gradient_divide_factor(factor)
+    model(x).square().sum().backward()
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    after = model.state_dict()
+    after = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in after.items()}
+    return {k: before[k] - after[k] for k in before}
+
+
+@pytest.mark.skipif(fsdp2_unavailable("cpu") is not None, reason=str(fsdp2_unavailable("cpu")))
+def test_gradient_divide_factor_divides_as_torchs_fsdp2(pools):
+    """set_gradient_divide_factor keeps FSDP2's contract: the unit's summed gradient is divided by
+    the factor instead of the group's size (factor 1: the sum; 2 on 2 ranks: the default mean)."""
+    for factor in (1.0, 2.0, 8.0):
+        theirs, ours = (pools.run(2, divided_gradients, flag, factor)[0] for flag in (False, True))
+        assert relative_diff(ours, theirs) < 1e-12, factor
+    default, summed = (pools.run(2, divided_gradients, True, f)[0] for f in (None, 1.0))
+    assert relative_diff({k: 2 * v for k, v in default.items()}, summed) < 1e-12
 
 
 def test_entry_points_script_finds_a_new_torch_name(monkeypatch):
