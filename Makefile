@@ -33,6 +33,7 @@ help:
 	@echo "make notebooks       execute every lesson.ipynb in place"
 	@echo "make figures         redraw every lesson figure from the code it pictures (common/figures)"
 	@echo "make lab-check N=1   grade your lab (0N_*/lab.py) against one device; SOLUTION=1 grades the reference"
+	@echo "                     (N=5 LAB=expert: expert parallelism's lab; N=5 LAB=context: ring attention's)"
 	@echo "make lab             install JupyterLab into the venv (the 'lab' extra) and open the lessons"
 	@echo "make lint            ruff check"
 	@echo "make gpu-check       every chapter on NCCL + a bf16 throughput/MFU benchmark (CUDA only)"
@@ -70,12 +71,15 @@ notebooks: $(SETUP)
 figures: $(SETUP)
 	$(PY) -m common.figures
 
-# The labs: you write a chapter's mechanism in 0N_*/lab.py; the grader runs its equivalence
-# properties on your file and prints a verdict per property (common/grader.py).
+# The labs: you write a chapter's mechanism in 0N_*/lab.py (or a chapter's other lab, LAB=name:
+# lab_<name>.py); the grader runs its properties on your file and prints a verdict per property
+# (common/grader.py); the exit status is 1 when any verdict fails the lab.
 N ?=
+LAB ?=
+ONLY ?=
 lab-check: $(SETUP)
-	@test -n "$(N)" || { echo "usage: make lab-check N=<chapter 1-7> [SOLUTION=1] [FILE=path]"; exit 2; }
-	$(PY) -m common.grader $(N) $(if $(SOLUTION),--solution) $(if $(FILE),--file $(FILE))
+	@test -n "$(N)" || { echo "usage: make lab-check N=<chapter 1-7> [LAB=expert|context] [SOLUTION=1] [FILE=path] [ONLY=words]"; exit 2; }
+	$(PY) -m common.grader $(N) $(if $(LAB),--lab $(LAB)) $(if $(SOLUTION),--solution) $(if $(FILE),--file $(FILE)) $(if $(ONLY),--only "$(ONLY)")
 
 # JupyterLab is not part of `make test`'s install: the optional extra `lab`, installed on first use.
 LAB_URL ?= /lab/tree/01_data_parallel/lesson.ipynb

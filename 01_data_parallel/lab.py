@@ -19,8 +19,10 @@ Tools (all in torch):
 - `dist.all_reduce(t, op=dist.ReduceOp.SUM, group=..., async_op=True)` → work; `work.wait()`.
 
 Check your work: `make lab-check N=1` (from the repo root), or `grade(1)` in the notebook. It
-trains a small LLaMA with your class on 2 and 3 ranks and compares every gradient with one
-device. Only this file is yours to edit; keep the names and signatures.
+trains a small LLaMA with your class on 2 and 3 ranks, and on a world of 3 cut into groups of 2
+and 1 (so use the `group` you are given), compares every rank's gradients with one device, and
+checks that the all-reduces start during backward. Only this file is yours to edit; keep the
+names and signatures.
 """
 
 from __future__ import annotations

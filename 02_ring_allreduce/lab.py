@@ -36,9 +36,10 @@ Tools (all in torch):
 - `tensor[start:stop]` is a view (writing into it writes the tensor); `.clone()` copies.
 
 Check your work: `make lab-check N=2` (from the repo root), or `grade(2)` in the notebook. It runs
-your functions on 2, 3 and 4 ranks, with lengths that the world size divides and lengths it does
-not, against torch's own sum, and counts the bytes you send. Only this file is yours to edit; keep
-the names and signatures (write helpers of your own as you like).
+your functions on 2, 3 and 4 ranks and on a world of 4 cut into groups of 1 and 3 (so use the
+`group` you are given), with lengths that the world size divides and lengths it does not, against
+torch's own sum, and counts the bytes you send. Only this file is yours to edit; keep the names
+and signatures (write helpers of your own as you like).
 """
 
 from __future__ import annotations

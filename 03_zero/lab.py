@@ -1,6 +1,6 @@
-"""Lab 03: write the ZeRO-2 step, the optimizer that every rank holds only 1/N of.
+"""Lab 03: write the ZeRO-1 step, the optimizer that every rank holds only 1/N of.
 
-You write the mechanism of README "The idea", stage 2, on one flat buffer. Every rank holds the
+You write the mechanism of README "The idea", stage 1, on one flat buffer. Every rank holds the
 whole model and computes the gradient of its own slice of the batch. Lay the Ψ parameters (in the
 order given) end to end in one flat buffer padded to N·s elements; rank r *owns*
 
@@ -18,6 +18,12 @@ Padding belongs to no parameter: its gradient is 0, so it adds nothing to the no
 elements stay 0. AdamW is element-wise, so a tensor cut by a slice boundary is stepped exactly as
 on one device.
 
+Which stage this is: ZeRO-1. The optimizer state and the master copy are 1/N per rank, and after
+`reduce_scatter_gradients` so is the gradient; but backward has produced the full gradient before
+the reduce-scatter runs, so at its peak a rank holds all Ψ gradient elements, as under DDP.
+ZeRO-2 removes that peak by reduce-scattering bucket by bucket during backward (the engine does,
+engine.py; lab 04's post-backward hook does it per unit).
+
 Tools (torch, and the course's two renamed collectives):
 - `reduce_scatter_single(out, inp, group=...)` from common.collectives: out (s elements) = Σ over
   ranks of inp[r·s : (r+1)·s] (always SUM; inp has N·s elements).
@@ -25,9 +31,10 @@ Tools (torch, and the course's two renamed collectives):
 - `dist.all_reduce(t, op=dist.ReduceOp.SUM, group=...)`.
 - `torch.clamp(x, max=1.0)`; `t.reshape(-1)`; `p.copy_(...)` under `torch.no_grad()`.
 
-How it is used (what the grader runs, on 2 and 3 ranks, with torch.optim.AdamW or SGD):
+How it is used (what the grader runs, on 2 and 3 ranks and on groups of 1 and 2 of 3 ranks, with
+torch.optim.AdamW or SGD, max_norm below and above the norm):
 
-    zero = Zero2(model.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    zero = Zero1(model.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
     loss.backward()
     zero.reduce_scatter_gradients()       # p.grad → this rank's averaged shard in zero.master.grad
     zero.clip_grad_norm_(max_norm)        # optional
@@ -57,8 +64,8 @@ def owner_slice(numel: int, world: int, rank: int) -> tuple[int, int]:
     raise NotImplementedError("owner_slice: the [start, end) rank r owns of the padded flat buffer")
 
 
-class Zero2:
-    """ZeRO stage 2 over `params` on `group`: `optimizer_class([self.master], **defaults)` steps
+class Zero1:
+    """ZeRO stage 1 over `params` on `group`: `optimizer_class([self.master], **defaults)` steps
     this rank's slice of a master copy; gradients and optimizer state exist only for that slice."""
 
     def __init__(self, params: Iterable[nn.Parameter], optimizer_class: Callable[..., torch.optim.Optimizer],
@@ -72,23 +79,23 @@ class Zero2:
         # Your part: self.master, this rank's slice of the flattened parameters in master_dtype
         # (a tensor of its own: s elements, not a view of a whole-model copy), and self.optim,
         # the inner optimizer over [self.master] with **defaults.
-        raise NotImplementedError("Zero2.__init__: the master slice and the inner optimizer over it")
+        raise NotImplementedError("Zero1.__init__: the master slice and the inner optimizer over it")
 
     def reduce_scatter_gradients(self) -> None:
         """After backward: every p.grad laid out in one padded flat buffer, reduce-scattered so
         that self.master.grad holds the average over the ranks of this rank's slice; then the full
         gradients are dropped (p.grad = None)."""
-        raise NotImplementedError("Zero2.reduce_scatter_gradients: flatten, reduce-scatter, divide by N")
+        raise NotImplementedError("Zero1.reduce_scatter_gradients: flatten, reduce-scatter, divide by N")
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale self.master.grad by min(1, max_norm / (‖g‖ + 1e-6)), ‖g‖ the norm of the *whole*
         model's gradient; return ‖g‖ (a 0-dim tensor, the same on every rank)."""
-        raise NotImplementedError("Zero2.clip_grad_norm_: the global norm from every rank's shard")
+        raise NotImplementedError("Zero1.clip_grad_norm_: the global norm from every rank's shard")
 
     def step(self) -> None:
         """The inner optimizer steps self.master; then every rank's updated slice is all-gathered
         and copied into the parameters (in their own dtype)."""
-        raise NotImplementedError("Zero2.step: step the master slice, all-gather it into the parameters")
+        raise NotImplementedError("Zero1.step: step the master slice, all-gather it into the parameters")
 
     def zero_grad(self) -> None:
         for p in self.params:

@@ -1,4 +1,5 @@
-"""Lab 03, the reference: the ZeRO-2 step on one flat buffer.
+"""Lab 03, the reference: the ZeRO-1 step on one flat buffer (the full gradient lives until the
+reduce-scatter after backward: ZeRO-1's memory; ZeRO-2 reduce-scatters during backward).
 
 `make lab-check N=3 SOLUTION=1` grades this file with the same properties as your lab.py. Read it
 after you have passed them, or when you are stuck for good.
@@ -21,7 +22,7 @@ def owner_slice(numel: int, world: int, rank: int) -> tuple[int, int]:
     return rank * s, (rank + 1) * s
 
 
-class Zero2:
+class Zero1:
     def __init__(self, params: Iterable[nn.Parameter], optimizer_class: Callable[..., torch.optim.Optimizer],
                  group=None, **defaults):
         self.params = [p for p in params if p.requires_grad]
@@ -50,7 +51,7 @@ class Zero2:
         reduce_scatter_single(self.master.grad, flat, group=self.group)  # SUM
         self.master.grad.div_(self.world)
         for p in self.params:
-            p.grad = None  # ZeRO-2: only the shard of the gradient lives on
+            p.grad = None  # only the shard of the gradient lives on
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         total = self.master.grad.pow(2).sum()

@@ -31,8 +31,9 @@ Tools (all in torch):
 
 Check your work: `make lab-check N=4` (from the repo root), or `grade(4)` in the notebook. It
 checks your shards, when `full` holds memory, trains a small LLaMA whose embedding, blocks, norm
-and head are each a ShardedUnit on 2 and 3 ranks against one device, and counts the collectives.
-Only this file is yours to edit; keep the names and signatures.
+and head are each a ShardedUnit on 2 and 3 ranks and on a world of 3 cut into groups of 2 and 1
+(so use the `group` you are given) against one device, and counts the collectives. Only this
+file is yours to edit; keep the names and signatures.
 """
 
 from __future__ import annotations

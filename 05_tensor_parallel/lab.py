@@ -31,7 +31,8 @@ Tools (all in torch):
 Check your work: `make lab-check N=5` (from the repo root), or `grade(5)` in the notebook. It runs
 each piece on 4 ranks, as two TP groups of 2 and as one of 4 (so use the `group` you are given,
 never the whole world), in float64, compares outputs and gradients with one device, counts the
-collectives, then trains a 2-layer LLaMA built from your pieces against one device. Parts 4 and 5
+collectives, checks that a split the group does not divide is refused, then trains a 2-layer
+LLaMA built from your pieces against one device. Parts 4 and 5
 are optional: the grader reports them but passes the lab without them. Only this file is yours to
 edit; keep the names and signatures.
 """
@@ -125,7 +126,8 @@ class ColumnParallelLinear(nn.Module):
                                                 applied it once for several layers)
         gather_output=True: all-gather Y along the last dim (every rank gets the full Y)
 
-    Parameters: `self.weight` and `self.bias` (None when the linear has none)."""
+    Parameters: `self.weight` and `self.bias` (None when the linear has none). When the group's
+    size t does not divide out_features, raise ValueError naming both, before any collective."""
 
     def __init__(self, linear: nn.Linear, group=None, gather_output: bool = False,
                  input_is_mapped: bool = False):
@@ -143,7 +145,8 @@ class RowParallelLinear(nn.Module):
 
         forward(X_r) = g(X_r A_rᵀ) + b        X_r: this rank's slice of the input's last dim
 
-    Parameters: `self.weight` and `self.bias` (None when the linear has none)."""
+    Parameters: `self.weight` and `self.bias` (None when the linear has none). When the group's
+    size t does not divide in_features, raise ValueError naming both, before any collective."""
 
     def __init__(self, linear: nn.Linear, group=None):
         super().__init__()

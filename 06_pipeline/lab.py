@@ -32,8 +32,9 @@ exactly the groups you return.
 
 Check your work: `make lab-check N=6` (from the repo root), or `grade(6)` in the notebook: your
 order's dependencies and memory, its simulated bubble, your messages and groups, the NCCL replay
-at p = 2, 3, 4, then two AdamW steps on 2 and 3 ranks against one device (float64, 1e-10).
-Only this file is yours to edit; keep the names and signatures.
+at p = 2, 3, 4, then two AdamW steps on 2 and 3 ranks against one device (float64, 1e-10), with
+the activations each rank holds at its peak measured in micro-batches (at most p − r). Only this
+file is yours to edit; keep the names and signatures.
 """
 
 from __future__ import annotations

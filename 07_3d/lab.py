@@ -46,10 +46,11 @@ clip_grad_norm_3d: they are what you are writing):
 - `dist.all_reduce(t, op=dist.ReduceOp.SUM)` (no group: the whole world).
 
 Check your work: `make lab-check N=7` (from the repo root), or `grade(7)` in the notebook. On
-4-rank meshes (pp2×tp2, dp2×tp2, cp2×tp2, dp2×pp2) it compares what every rank holds, two
-training steps and clipping with one device in float64 at 1e-10, piece by piece, and names the
-rank (with its mesh coordinates) and the tensor that differs. Only this file is yours to edit;
-keep the names and signatures.
+4-rank meshes (pp2×tp2, dp2×tp2, cp2×tp2, dp2×pp2; seeds 0 and 1) it compares what every rank
+holds, two training steps and clipping (a max_norm below the norm and one above it) with one
+device in float64 at 1e-10, piece by piece, names the rank (with its mesh coordinates) and the
+tensor that differs, and checks the bytes each group carries against 07's formula. Only this
+file is yours to edit; keep the names and signatures.
 """
 
 from __future__ import annotations

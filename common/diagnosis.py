@@ -1,4 +1,4 @@
-"""What a wrong gradient usually means: the labs' grader reads a symptom off the numbers.
+"""What a wrong result usually means: the labs' grader reads a symptom off the numbers.
 
 A strategy bug moves whole tensors, and the way it moves them names the bug:
 
@@ -8,21 +8,27 @@ A strategy bug moves whole tensors, and the way it moves them names the bug:
     right at step 1 only      state left over from the previous step (ready flags, buffers)
     right unless n ∤ length   uneven chunks: the last rank's piece is shorter (worlds_pattern,
                               uneven_pattern)
-    got = one rank's own      never reduced at all (each rank kept its local gradient)
+    got = a suspect           what a typical bug computes (this rank's own partial, the sum over
+                              the world instead of the group, …), recomputed by the check: `suspect`
 
-`first_difference` finds the first tensor (in the reference's order) beyond the tolerance and
-measures it; `explain` turns that into a sentence; the labs' checks add the patterns that need
-several runs (steps, world sizes). The metric is common.reference's: per tensor,
-max |a − b| / max(max |b|, SCALE_FLOOR · the largest |b| of any tensor).
+`first_difference` finds the first tensor (in the reference's order) beyond the tolerance, or
+missing, or extra, and measures it; `explain` turns that into a sentence; `explain_error` does
+the same for an exception a rank raised. The metric is common.reference's: per tensor,
+max |a − b| / max(max |b|, SCALE_FLOOR · the largest |b| of any tensor). TOLERANCE is the
+course's float64 contract (1e-10): every lab compares at it, and tests/test_lab_0N.py plants an
+error of 1e-8 in each lab that must fail.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from common.reference import relative_diff
+
+TOLERANCE = 1e-10
 
 
 @dataclass(frozen=True)
@@ -34,11 +40,14 @@ class Finding:
     rel: float
     scale: float | None
     zero: bool  # got is all zeros while want is not
-    missing: bool = False  # got has no such tensor
+    missing: bool = False  # got has no such tensor (or None)
+    extra: bool = False  # got has a tensor the reference has not
 
     def __str__(self) -> str:
         if self.missing:
             return f"{self.name}: missing"
+        if self.extra:
+            return f"{self.name}: not in the reference (an extra tensor)"
         if self.zero:
             return f"{self.name}: all zeros"
         scaled = self.scale is not None and abs(self.scale - 1) > 1e-3
@@ -46,23 +55,52 @@ class Finding:
         return f"{self.name}: max rel diff {self.rel:.2g}{scale}"
 
 
+def measure(name: str, got: torch.Tensor, want: torch.Tensor, tolerance: float = TOLERANCE) -> Finding | None:
+    """`got` against `want` as one tensor: None when within `tolerance`."""
+    g, w = got.detach().double().cpu(), want.detach().double().cpu()
+    if g.shape != w.shape:
+        return Finding(f"{name} (shape {list(g.shape)}, expected {list(w.shape)})", math.inf, None, False)
+    if g.numel() == 0:
+        return None
+    rel = relative_diff({name: g}, {name: w}, "max") if w.abs().max() > 0 else float(g.abs().max())
+    if rel <= tolerance:  # nan is a difference too
+        return None
+    norm = float((w * w).sum())
+    scale = float((g * w).sum()) / norm if norm > 0 else None
+    return Finding(name, rel, scale, bool(g.abs().max() == 0 and w.abs().max() > 0))
+
+
 def first_difference(got: dict[str, torch.Tensor | None], want: dict[str, torch.Tensor],
-                     tolerance: float = 1e-10) -> Finding | None:
-    """The first tensor of `want` (in its order) that `got` misses by more than `tolerance`."""
+                     tolerance: float = TOLERANCE) -> Finding | None:
+    """The first tensor of `want` (in its order) that `got` misses, or differs from by more than
+    `tolerance`; then the first tensor of `got` that `want` has not. None when they agree."""
     for name, w in want.items():
         g = got.get(name)
         if g is None:
-            return Finding(name, float("inf"), None, False, missing=True)
-        g, w = g.detach().double().cpu(), w.detach().double().cpu()
-        if g.shape != w.shape:
-            shapes = f"shape {list(g.shape)}, expected {list(w.shape)}"
-            return Finding(f"{name} ({shapes})", float("inf"), None, False)
-        rel = relative_diff({name: g}, {name: w}, "max") if w.abs().max() > 0 else float(g.abs().max())
-        if not rel <= tolerance:  # nan is a difference too
-            norm = float((w * w).sum())
-            scale = float((g * w).sum()) / norm if norm > 0 else None
-            return Finding(name, rel, scale, bool(g.abs().max() == 0 and w.abs().max() > 0))
+            return Finding(name, math.inf, None, False, missing=True)
+        if (finding := measure(name, g, w, tolerance)) is not None:
+            return finding
+    for name in got:
+        if name not in want:
+            return Finding(name, math.inf, None, False, extra=True)
     return None
+
+
+def close(got: torch.Tensor | None, want: torch.Tensor | None, tolerance: float = TOLERANCE) -> bool:
+    """Within `tolerance` of `want` (max |got − want| / max |want|); nan never is; None only to None."""
+    if got is None or want is None:
+        return got is None and want is None
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+        return False
+    got, want = got.detach().double(), want.detach().double()
+    if want.numel() == 0:
+        return True
+    return bool((got - want).abs().max() <= tolerance * max(float(want.abs().max()), 1e-30))
+
+
+def suspect(got: torch.Tensor | None, suspects: list[tuple[torch.Tensor, str]]) -> str | None:
+    """The hint of the first suspect (what a typical bug computes) that `got` equals, or None."""
+    return next((hint for tensor, hint in suspects if close(got, tensor)), None)
 
 
 def near(x: float | None, target: float, rtol: float = 0.02) -> bool:
@@ -73,9 +111,18 @@ def explain(finding: Finding, world: int, what: str = "gradients") -> str:
     """The usual cause of `finding` at world size `world`, in one sentence."""
     if finding.missing:
         return f"no {what[:-1]} for this tensor: was it registered, and did its bucket or shard come back?"
+    if finding.extra:
+        return f"a {what[:-1]} the one-device model has not: keep the module's parameters and their names"
+    if "(shape" in finding.name:
+        return ("wrong shape: which slice does this rank keep (dist.get_rank(group), "
+                "dist.get_world_size(group))?")
+    if not math.isfinite(finding.rel):
+        return f"nan or inf in the {what}: an overflow, or a buffer read before it was written"
     if finding.zero:
-        return (f"zero {what}: this tensor's hook never fired, or its bucket was never reduced "
-                "(does every parameter get a hook, and does the last, partial bucket launch too?)")
+        return (f"zero {what}: nothing reached this tensor: its hook never fired, or fired before the "
+                "gradient was there (Tensor.register_hook runs before p.grad is accumulated: use "
+                "register_post_accumulate_grad_hook), or its bucket was never reduced (does every "
+                "parameter get a hook, and does the last, partial bucket launch too?)")
     if world > 1 and near(finding.scale, world):
         return (f"{what} {world}× too large at world {world}: a missing 1/n. Sum with ReduceOp.SUM, "
                 "then divide by the world size (never ReduceOp.AVG: gloo on older torch ignores it)")
@@ -83,6 +130,9 @@ def explain(finding: Finding, world: int, what: str = "gradients") -> str:
         return f"{what} {world}× too small at world {world}: divided twice, or divided before an average"
     if world > 1 and near(finding.scale, 2.0):
         return f"{what} 2× too large: counted twice (reduced twice, or accumulated on top of the last step)"
+    if finding.rel < 1e-6:
+        return (f"{what} off by {finding.rel:.1g} (relative): a constant slightly off (an epsilon, a "
+                "scale), or a sum in another order in lower precision; the labs compare at 1e-10")
     return (f"right scale, wrong values: pieces from the wrong rank or offset, a buffer reused "
             f"before its copy landed, or {what} read before the reduction finished")
 
@@ -115,3 +165,34 @@ def uneven_pattern(failing: list[tuple[int, int]], passing: list[tuple[int, int]
         if hint:
             return hint
     return ""
+
+
+# An exception a rank raised (common/lab_rank.py records it): the usual cause by its words.
+ERRORS = [
+    (("size mismatch", "shapes cannot be multiplied", "must match the size", "doesn't match the broadcast",
+      "shape '", "invalid for input of size", "expected input with shape"),
+     "a tensor of the wrong shape reached this op: which slice does this rank keep, and of which "
+     "dimension (dist.get_rank(group), dist.get_world_size(group) of the group you were given)?"),
+    (("modified by an inplace operation",),
+     "an in-place op on a tensor autograd saved for backward: work on a copy (.clone()) or out of place"),
+    (("does not require grad and does not have a grad_fn",),
+     "the result lost its graph (.detach(), .data, torch.no_grad() around the computation): keep it in "
+     "differentiable torch ops"),
+    (("backward through the graph a second time",),
+     "backward ran twice through one graph: a tensor from the previous step, or a hook calling backward"),
+    (("'NoneType' object has no attribute",),
+     "a None where a tensor or a handle was expected: p.grad read before the gradient was accumulated "
+     "(a hook on the wrong event: Tensor.register_hook fires before accumulation, "
+     "register_post_accumulate_grad_hook after), the handle of a collective this rank never posted, "
+     "or an attribute __init__ never set"),
+    (("is not part of group",),
+     "a peer outside the group you were given: take ranks and neighbours from that group "
+     "(dist.get_rank(group), dist.get_global_rank(group, r)) and pass group= on to every call"),
+    (("Connection closed by peer", "Connection reset by peer", "doesn't match expected size"),
+     "gloo aborted this rank's collective: a peer stopped first, or the ranks disagree on a message's size"),
+]
+
+
+def explain_error(message: str) -> str:
+    """The usual cause of an exception whose last line is `message`, or ''."""
+    return next((hint for words, hint in ERRORS if any(w in message for w in words)), "")

@@ -1,95 +1,143 @@
-"""The labs' grader: a chapter's equivalence properties run on the student's lab file, one verdict each.
+"""The labs' grader: a lab's properties run on the student's file, one verdict each.
 
-    make lab-check N=1              # grade 01_data_parallel/lab.py (the file you edit)
-    make lab-check N=1 SOLUTION=1   # grade the reference, lab_solution.py: the grader is fair
-    python -m common.grader 1 --file my_ddp.py
+    make lab-check N=1                    # grade 01_data_parallel/lab.py (the file you edit)
+    make lab-check N=1 SOLUTION=1         # grade the reference, lab_solution.py: the grader is fair
+    make lab-check N=5 LAB=expert         # a chapter's other lab: lab_expert.py, lab_expert_check.py
+    python -m common.grader 1 --file my_ddp.py --only no_sync
 
-Each chapter's `lab_check.py` lists its PROPERTIES. A property runs a function on every rank of a
-fresh gloo job (forked, ~0.1 s) with the student's module loaded from its file, then checks what
-rank 0 brought back against one device, in the grader's process:
+A lab's check module (`lab_check.py`, `lab_<name>_check.py`) lists its PROPERTIES. A property
+runs a function on every rank of a gloo job (forked, ~0.1 s) with the student's module loaded
+from its file, once per configuration (world sizes, groups, sizes; after a configuration that
+some check fails on, the rest are not run), then runs its checks on what every rank of every
+configuration brought back, in the grader's process:
 
-    ✓ name                                   the deciding figure
-    ✗ name                                   where it differs (step, rank, tensor, by how much, world)
+    ✓ name                                   each check's deciding figure
+    ✗ name                                   where it differs (step, world, rank, tensor, by how much)
         hint: what that symptom usually means
-    ⏱ name                                   no answer within the deadline
-        rank r: the last collective or send/recv it posted
-    ✗ name                                   rank r died: its process ended without an exception
-        rank r: the last collective or send/recv it posted
+    ✗ name                                   rank r raised: the exception, the step, your function
+    ⏱ name                                   no answer within the deadline, each rank's last call
     · (optional) name                        an extra part not written yet: reported, never failing
 
-No run hangs: every job has a deadline, and each rank writes every collective and send/recv it
-posts to a trace file first, so a hang is reported per rank. Labs with point-to-point code run the
-student's sends and receives once without moving data (`record_p2p_plan`) and replay them under
-NCCL's rules (common/p2p_plan.find_deadlock) before any real run: an order that gloo would run
-but NCCL would hang on is reported as a deadlock, not discovered on a GPU. A `NotImplementedError`
-stops the grading at once, naming what is left to write.
+No run hangs: every job has a deadline; each rank writes every collective and send/recv it posts
+to a trace file before posting it, so a hang is reported per rank; a rank that raises ends its
+process (common/lab_rank.py) and its peers are stopped at once. Labs with point-to-point code
+run the student's sends and receives once without moving data (a `plan` property) and replay
+them under NCCL's rules (common/p2p_plan.find_deadlock) before any real run. A
+`NotImplementedError`, a hang or a failed `gate` stops the grading, naming why. A property whose
+failure an earlier failed property explains (`after`) says so instead of guessing a cause of its
+own. The exit status is 1 when any verdict fails the lab.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import os
 import re
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
 
+from common.lab_failures import crash, replay, unformed
 from common.lab_rank import _on_rank
-from common.p2p_plan import find_deadlock, plan_from_records
 from common.rank_pool import RankError, RankPool, RankTimeoutError
 
 PACKAGES = {1: "data_parallel", 2: "ring_allreduce", 3: "zero", 4: "fsdp", 5: "tensor_parallel",
             6: "pipeline", 7: "parallel3d"}
+ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = float(os.environ.get("PFS_LAB_TIMEOUT", 20))
 CLOSE_GRACE_S = 0.2  # a graded job's ranks are not reused: killed if still tearing down (~1 s each)
-MISMATCH = ("the ranks posted different collectives (a rank waits in one its peers never post, or "
-            "they disagree on its size): every rank must post the same collectives, same sizes, same order")
-GLOO_MISMATCH = ("doesn't match expected size", "Connection reset by peer", "Connection closed by peer")
-DIED = ("a process that ends without a Python exception: os._exit, or an abort or segfault inside a "
-        "torch op or gloo; the lines above show how far each rank got")
-P2P = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+REPLAY = ("every rank's sends and receives, recorded without moving data, replay to the end under "
+          "NCCL's rules (common/p2p_plan.find_deadlock)")
 
 
-# --- a property and its verdict ---------------------------------------------------------------
+# --- a property, its runs and its verdict ------------------------------------------------------
+
+@dataclass(frozen=True)
+class Fail:
+    """What a check returns when its claim does not hold: where, the symptom's usual cause, and
+    the step it first fails at (0-based; None: before any step, or not about steps)."""
+
+    detail: str
+    hint: str = ""
+    step: int | None = None
+
+
+@dataclass
+class Run:
+    """One configuration of a property and what each rank's `run` returned, by rank."""
+
+    config: dict
+    ranks: list
+
+    @property
+    def world(self) -> int:
+        return self.config["world"]
+
+
+Check = Callable[[list[Run]], "Fail | str"]
+
 
 @dataclass(frozen=True)
 class Property:
-    """`run(lab, **config)` runs on every rank of a job of `config["world"]` ranks; `check(runs)`
-    gets [(config, rank 0's result)] and returns (passed, detail, hint). A `plan` property runs
-    `run` under `record_p2p_plan` instead (no data moves) and passes when the sends and receives
-    every rank posted replay to the end under NCCL's rules; list it before the real runs. There
+    """`run(lab, **config)` runs on every rank of a job of `config["world"]` ranks, once per
+    config; then every check gets every Run and returns a Fail or its deciding figure (a str).
+    The Fail that comes first in time decides (the earliest step; at one step, the check listed
+    first): a wrong update at step 1 explains wrong gradients at step 2. A check's docstring's
+    first paragraph says what it grades (the lessons' lab-graded blocks are made of them:
+    common/lab_docs.py).
+
+    `plan`: `run` runs under record_p2p_plan (no data moves) and the property passes when what
+    every rank posted replays to the end under NCCL's rules; list it before the real runs. There
     `run` may return what it posted, [[(kind, global peer, label), ...] per group], to name each
-    op in a deadlock report. An `optional` property (an extra part of the lab) is reported, but
-    left unwritten (its NotImplementedError) it neither fails the lab nor stops the grading; list
-    it last."""
+    op in a deadlock report. `gate`: a failure stops the grading (a plan always does). `optional`:
+    an extra part; left unwritten (its NotImplementedError) it neither fails the lab nor stops
+    the grading; list it last. `after`: names (or parts) of earlier properties whose failure
+    would explain this one's."""
 
     name: str
     configs: Sequence[dict[str, Any]]
     run: Callable[..., Any]
-    check: Callable[[list[tuple[dict, Any]]], tuple[bool, str, str]] | None = None
-    timeout_s: float = TIMEOUT_S
+    checks: Sequence[Check] = ()
     plan: bool = False
+    gate: bool = False
     optional: bool = False
+    after: Sequence[str] = ()
+    timeout_s: float = TIMEOUT_S
+
+    def descriptions(self) -> list[str]:
+        """What each check grades: its docstring's first line."""
+        return [REPLAY] if self.plan else [describe(check) for check in self.checks]
+
+
+def check_name(check: Callable) -> str:
+    return getattr(check, "__name__", type(check).__name__)
+
+
+def describe(check: Callable) -> str:
+    return " ".join((check.__doc__ or "").strip().split("\n\n")[0].split())
 
 
 @dataclass
 class Verdict:
     name: str
-    status: str  # "pass", "fail", "hang", "deadlock", "todo" (NotImplementedError), "skipped"
+    status: str  # pass, fail, raised, died, hang, deadlock, todo (NotImplementedError), skipped
     detail: str = ""
     hint: str = ""
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)  # printed under the verdict (per rank, a plan)
     optional: bool = False
+    check: str | None = None  # the check that failed
+    checks: list[str] = field(default_factory=list)  # the checks that ran
+    configs: list[dict] = field(default_factory=list)  # the configurations that ran
+    runs: list[Run] = field(default_factory=list, repr=False)
 
     @property
     def passed(self) -> bool:
@@ -101,91 +149,39 @@ class Verdict:
         return not self.passed and not (self.optional and self.status in ("todo", "skipped"))
 
     def lines(self) -> list[str]:
-        mark = {"pass": "✓", "fail": "✗", "hang": "⏱", "deadlock": "✗", "todo": "✗", "skipped": "·"}
+        quiet = self.status == "skipped" or (self.status == "todo" and self.optional)
+        mark = "✓" if self.passed else "⏱" if self.status == "hang" else "·" if quiet else "✗"
         name = f"(optional) {self.name}" if self.optional else self.name
-        mark = {**mark, "todo": "·"} if self.optional else mark
-        out = [f"{mark[self.status]} {name:<58} {self.detail}".rstrip()]
+        out = [f"{mark} {name:<58} {self.detail}".rstrip()]
         out += [f"    {line}" for note in self.notes for line in note.splitlines()]
         if self.hint:
             out.append(f"    hint: {self.hint}")
         return out
 
 
-# --- the grader's side -------------------------------------------------------------------------
+# --- the labs: a chapter's lab.py, and its lab_<name>.py ---------------------------------------
 
-def _last_ops(trace_dir: str, world: int) -> list[str]:
-    """Per rank, the last collective or send/recv it posted (what a hung rank waits in)."""
-    out = []
-    for rank in range(world):
-        path = Path(trace_dir) / f"rank{rank}"
-        lines = path.read_text().splitlines() if path.exists() else []
-        out.append(f"rank {rank}: last posted {lines[-1]} ({len(lines)} calls in all)" if lines
-                   else f"rank {rank}: posted no collective or send/recv")
-    return out
+def lab_names(chapter: int) -> list[str]:
+    """The chapter's labs: "" for lab.py, then the name of each lab_<name>_check.py."""
+    folder = next(ROOT.glob(f"0{chapter}_*"))
+    found = (re.fullmatch(r"lab_(\w+)_check\.py", p.name) for p in folder.glob("lab_*_check.py"))
+    named = sorted(m[1] for m in found if m)
+    return [""] * (folder / "lab_check.py").exists() + named
 
 
-def _traces(trace_dir: str, world: int) -> list[list[str]]:
-    """Per rank, every collective and send/recv it posted, in order."""
-    paths = [Path(trace_dir) / f"rank{rank}" for rank in range(world)]
-    return [path.read_text().splitlines() if path.exists() else [] for path in paths]
+def lab_module(chapter: int, lab: str = "") -> str:
+    if lab not in lab_names(chapter):
+        raise ValueError(f"chapter {chapter} has no lab {lab!r}: its labs are "
+                         f"{[name or '(the main one)' for name in lab_names(chapter)]}")
+    return f"{PACKAGES[chapter]}.lab_{lab}_check" if lab else f"{PACKAGES[chapter]}.lab_check"
 
 
-def _diverging(traces: list[list[str]], world: int) -> str | None:
-    """The first collective on the whole group that the ranks posted differently (another op or
-    size), or None when each rank's collectives are a prefix of the others' (a rank that stopped
-    early). Sends and receives, all_to_all_single (its splits may differ) and collectives on
-    subgroups differ by design: not compared."""
-    def whole(line: str) -> bool:
-        return line.split("(")[0] not in (*P2P, "all_to_all_single") and all(
-            int(n) == world for n in re.findall(r"group of (\d+)", line))
-
-    ops = [[line for line in lines if whole(line)] for lines in traces]
-    for k in range(max(map(len, ops), default=0)):
-        posted = {rank: mine[k] for rank, mine in enumerate(ops) if k < len(mine)}
-        if len(set(posted.values())) > 1:
-            return f"collective {k + 1} differs: " + ", ".join(f"rank {r} posted {op}"
-                                                                for r, op in posted.items())
-    return None
+def lab_path(chapter: int, lab: str = "", solution: bool = False) -> Path:
+    folder = next(ROOT.glob(f"0{chapter}_*"))
+    return folder / ("lab" + (f"_{lab}" if lab else "") + ("_solution" if solution else "") + ".py")
 
 
-def _hang_notes(trace_dir: str, world: int) -> list[str]:
-    """Under a hang: the first collective the ranks posted differently, if any, then each rank's last."""
-    diverging = _diverging(_traces(trace_dir, world), world)
-    return [diverging] * (diverging is not None) + _last_ops(trace_dir, world)
-
-
-def _died(error: RankTimeoutError, trace_dir: str, world: int) -> tuple[str, str, str, list[str]] | None:
-    """A rank whose process died: a crash ("fail"), or "hang" where the trace shows the ranks
-    posted mismatched collectives (gloo may abort on those). None when no rank died."""
-    if (dead := re.search(r"rank (\d+) of \d+ died", str(error))) is None:
-        return None
-    traces, notes = _traces(trace_dir, world), _last_ops(trace_dir, world)
-    if _diverging(traces, world) is not None:
-        return "hang", f"rank {dead[1]} died at world {world} after mismatched collectives", MISMATCH, \
-            _hang_notes(trace_dir, world)
-    p2p = any(line.split("(")[0] in P2P for lines in traces for line in lines)
-    hint = DIED + ("; with send/recv: gloo aborts a process whose receive gets a message of another "
-                   "size (sender and receiver must agree on every message's size)" if p2p else "")
-    return "fail", f"rank {dead[1]} died at world {world} (a crash in native code or os._exit)", hint, notes
-
-
-def _not_implemented(error: RankError) -> str | None:
-    """The message of a NotImplementedError some rank raised, or None."""
-    for last in error.errors.values():
-        if last.startswith("NotImplementedError"):
-            return last.removeprefix("NotImplementedError").removeprefix(":").strip() or "(no message)"
-    return None
-
-
-def _replay(records: list[dict]) -> tuple[bool, str]:
-    """Every communicator's recorded plan replayed under NCCL's rules: (ok, what happened)."""
-    plans = plan_from_records(records)
-    groups = sum(len(g) for plan in plans.values() for g in plan.values())
-    for ranks, plan in plans.items():
-        if (deadlock := find_deadlock(plan)) is not None:
-            return False, f"on the communicator of ranks {list(ranks)}, {deadlock}"
-    return True, f"{groups} send/recv groups on {len(plans)} communicator(s) replay to the end"
-
+# --- the grader's side ------------------------------------------------------------------------
 
 class Pools:
     """One job of each world size for a whole grading, reused property after property (a job
@@ -209,126 +205,153 @@ class Pools:
             self.drop(world)
 
 
-def grade_property(package: str, prop: Property, lab_path: str, pools: Pools | None = None) -> Verdict:
-    """Run `prop` on each of its configs; the first failure decides the verdict."""
-    start, runs = time.perf_counter(), []
-    own = pools is None
+def grade_property(module: str, prop: Property, path: str, pools: Pools | None = None) -> Verdict:
+    """Run `prop` on every config (every rank's result kept), then its checks in order."""
+    start, runs, own = time.perf_counter(), [], pools is None
     pools = pools or Pools()
+    extra_hints = getattr(importlib.import_module(module), "ERROR_HINTS", ())
 
-    def verdict(status: str, detail: str, hint: str = "", notes: list[str] | None = None) -> Verdict:
-        return Verdict(prop.name, status, detail, hint, time.perf_counter() - start, notes or [])
+    def verdict(status: str, detail: str, hint: str = "", notes=(), check: str | None = None,
+                checks=()) -> Verdict:
+        return Verdict(prop.name, status, detail, hint, time.perf_counter() - start, list(notes),
+                       prop.optional, check, list(checks), [r.config for r in runs], runs)
 
-    for config in prop.configs:
-        world = config["world"]
-        with tempfile.TemporaryDirectory(prefix="pfs-lab-") as trace_dir:
-            pool, ok = pools(world), False
-            try:
-                results = pool.run(_on_rank, package, prop.name, lab_path, config, trace_dir,
-                                   timeout=prop.timeout_s)
-            except RankTimeoutError as error:
-                if error.errors:  # some ranks raised; the others waited for them in vain
-                    first = min(error.errors)
-                    return verdict("fail", f"rank {first} raised at world {world}: {error.errors[first]}",
-                                   "the other ranks then waited for its messages until the deadline",
-                                   _last_ops(trace_dir, world))
-                if (died := _died(error, trace_dir, world)) is not None:
-                    return verdict(*died)
-                return verdict("hang", f"no answer within {prop.timeout_s:.0f} s at world {world}",
-                               MISMATCH, _hang_notes(trace_dir, world))
-            except RankError as error:
-                if (todo := _not_implemented(error)) is not None:
-                    return verdict("todo", f"not implemented: {todo}")
-                if any(sign in e for e in error.errors.values() for sign in GLOO_MISMATCH):
-                    return verdict("hang", f"gloo aborted a mismatched collective at world {world}",
-                                   MISMATCH, _hang_notes(trace_dir, world))
-                first = min(error.errors)
-                return verdict("fail", f"rank {first} raised at world {world}: {error.errors[first]}",
-                               notes=[] if prop.plan else _last_ops(trace_dir, world))
-            else:
-                ok = True
-            finally:
-                if own or not ok:
-                    pools.drop(world)
-        if not prop.plan:
-            runs.append((config, results[0]))
-            continue
-        ok, detail = _replay(results)
-        if not ok and "unmatched plan" in detail:
-            return verdict("deadlock", f"at world {world}: sends and receives do not pair up",
-                           "the k-th send from a to b meets b's k-th receive from a, and both must have "
-                           "the same size: sender and receiver disagree on what moves (which chunk, "
-                           "which peer, how many messages)", [detail])
-        if not ok:
-            return verdict("deadlock", f"at world {world}: would hang on NCCL",
-                           "a send completes only when its receive runs in the peer's current group: "
-                           "post each send in one batch_isend_irecv with the receive it waits for, "
-                           "in the same order on both ranks", [detail])
+    try:
+        for config in prop.configs:
+            world = config["world"]
+            for attempt in (1, 2):  # a gloo group that failed to form (a loaded machine) is retried once
+                with tempfile.TemporaryDirectory(prefix="pfs-lab-") as trace_dir:
+                    try:
+                        results = pools(world).run(_on_rank, module, prop.name, path, config, trace_dir,
+                                                   timeout=prop.timeout_s)
+                        break
+                    except (RankTimeoutError, RankError) as error:
+                        pools.drop(world)
+                        if attempt == 1 and unformed(trace_dir, world):
+                            continue
+                        label = f"world {world}" + (f" cut into groups {config['groups']}"
+                                                    if config.get("groups") else "")
+                        return verdict(*crash(error, trace_dir, world, label, extra_hints))
+            runs.append(Run(dict(config), results))
+            if prop.plan and (deadlock := replay(results, world)) is not None:
+                return verdict(*deadlock, check="replay")
+            if not prop.plan and config is not prop.configs[-1] and _fails(prop, runs[-1]):
+                break  # the configurations after a failing one are not run: the checks below say why
+    finally:
+        if own:
+            pools.close()
     if prop.plan:
-        return verdict("pass", detail)
+        return verdict("pass", f"{len(runs)} plans (world {[r.world for r in runs]}) replay to the end",
+                       checks=["replay"])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the one-device references are tiny: more threads only contend with the ranks
+    figures, ran, fails = [], [], []
     try:
-        passed, detail, hint = prop.check(runs)
+        for index, check in enumerate(prop.checks):  # every check runs, whatever the others say
+            ran.append(check_name(check))
+            try:
+                outcome = check(runs)
+            except Exception as error:  # a verdict, not a traceback
+                frame = traceback.extract_tb(error.__traceback__)[-1]
+                outcome = Fail(f"the grader could not read the results: {type(error).__name__}: {error} "
+                               f"({frame.name}, {Path(frame.filename).name}:{frame.lineno})",
+                               "some rank returned something of another kind than the others (a rank that "
+                               "skipped a part, a wrong type or shape); if your code looks right, report it: "
+                               "the grader should have said what differs")
+            if isinstance(outcome, Fail):
+                fails.append((-1 if outcome.step is None else outcome.step, index, outcome))
+            else:
+                figures.append(outcome)
     finally:
         torch.set_num_threads(threads)
-    return verdict("pass" if passed else "fail", detail, "" if passed else hint)
+    if fails:  # the first to go wrong in time explains the others: a step's gradients, then its update
+        _, index, first = min(fails, key=lambda f: f[:2])
+        return verdict("fail", first.detail, first.hint, check=ran[index], checks=ran)
+    return verdict("pass", "; ".join(f for f in figures if f), checks=ran)
 
 
-def grade(chapter: int, path: str | Path | None = None, solution: bool = False,
-          only: str | None = None, out: Callable[[str], None] = print) -> list[Verdict]:
-    """Grade chapter `chapter`'s lab: `path` (default: the chapter's lab.py, or with
-    `solution=True` its lab_solution.py). Prints a verdict per property; returns them."""
-    torch.set_num_threads(1)  # the reference runs here, beside the ranks: one core's worth each
-    package = PACKAGES[chapter]
-    lab_check = importlib.import_module(f"{package}.lab_check")
-    folder = Path(lab_check.__file__).parent
-    lab_path = str(Path(path) if path else folder / ("lab_solution.py" if solution else "lab.py"))
-    out(f"lab {chapter:02d} · {lab_check.TITLE} · grading {os.path.relpath(lab_path)}")
-    pools = Pools()
+def _fails(prop: Property, run: Run) -> bool:
+    """Whether some check fails on this one configuration alone (an exception counts)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
-        verdicts = _grade_all(lab_check, package, lab_path, only, out, pools)
+        for check in prop.checks:
+            try:
+                if isinstance(check([run]), Fail):
+                    return True
+            except Exception:  # reported by the checks on every run
+                return True
+        return False
+    finally:
+        torch.set_num_threads(threads)
+
+
+def grade_module(module: str, path: str | Path, only: str | Sequence[str] | None = None,
+                 out: Callable[[str], None] = print) -> list[Verdict]:
+    """Grade the lab file `path` with the properties of check module `module`."""
+    torch.set_num_threads(1)  # the reference runs here, beside the ranks: one core's worth each
+    properties = importlib.import_module(module).PROPERTIES
+    wanted = [only] if isinstance(only, str) else only
+    verdicts, stop, failed, pools = [], "", [], Pools()
+    try:
+        for prop in properties:
+            if wanted is not None and not any(w in prop.name for w in wanted):
+                continue
+            verdict = (Verdict(prop.name, "skipped", stop, optional=prop.optional) if stop
+                       else grade_property(module, prop, str(path), pools))
+            cause = next((name for name in failed for part in prop.after if part in name), None)
+            if verdict.failed and verdict.status != "skipped" and cause:
+                verdict.hint = (f"probably the same cause as ✗ {cause!r} above: mend that first"
+                                + (f"; if this still fails then: {verdict.hint}" if verdict.hint else ""))
+            if verdict.failed and not prop.optional:
+                failed.append(prop.name)
+            if not stop and verdict.status == "todo" and not prop.optional:
+                stop = "not run: write what is not implemented first"
+            elif not stop and (verdict.status in ("deadlock", "hang") or (prop.gate and verdict.failed)):
+                why = "it hung" if verdict.status == "hang" else "on NCCL it would hang"
+                stop = f"not run: mend {prop.name!r} above first ({why})"
+            verdicts.append(verdict)
+            for line in verdict.lines():
+                out(line)
     finally:
         pools.close()
     passed = sum(v.passed for v in verdicts if not v.optional)
     extra = [v for v in verdicts if v.optional]
     extras = f"; optional: {sum(v.passed for v in extra)}/{len(extra)} pass" if extra else ""
-    out(f"{passed}/{len(verdicts) - len(extra)} properties pass{extras} "
-        f"({sum(v.seconds for v in verdicts):.1f} s)")
+    seconds = sum(v.seconds for v in verdicts)
+    out(f"{passed}/{len(verdicts) - len(extra)} properties pass{extras} ({seconds:.1f} s)")
     return verdicts
 
 
-def _grade_all(lab_check: ModuleType, package: str, lab_path: str, only: str | None,
-               out: Callable[[str], None], pools: Pools) -> list[Verdict]:
-    verdicts: list[Verdict] = []
-    stop = ""
-    for prop in lab_check.PROPERTIES:
-        if only is not None and only not in prop.name:
-            continue
-        verdict = (Verdict(prop.name, "skipped", stop) if stop
-                   else grade_property(package, prop, lab_path, pools))
-        verdict.optional = prop.optional
-        if verdict.status == "todo" and not prop.optional:
-            stop = "not run: write what is not implemented first"
-        elif verdict.status == "deadlock":
-            stop = "not run: the send/recv plan above would hang on NCCL"
-        elif verdict.status == "hang":
-            stop = "not run: mend the hang above first"
-        verdicts.append(verdict)
-        for line in verdict.lines():
-            out(line)
-    return verdicts
+def grade(chapter: int, path: str | Path | None = None, solution: bool = False,
+          only: str | Sequence[str] | None = None, out: Callable[[str], None] = print,
+          lab: str = "") -> list[Verdict]:
+    """Grade chapter `chapter`'s lab `lab` ("" for lab.py; "expert" for lab_expert.py): `path`,
+    else the lab file, or with `solution=True` its reference. Prints a verdict per property."""
+    module = lab_module(chapter, lab)
+    path = Path(path) if path else lab_path(chapter, lab, solution)
+    title = importlib.import_module(module).TITLE
+    out(f"lab {chapter:02d}{' ' + lab if lab else ''} · {title} · grading {os.path.relpath(path)}")
+    return grade_module(module, path, only, out)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("chapter", type=int, choices=sorted(PACKAGES))
-    parser.add_argument("--solution", action="store_true", help="grade lab_solution.py (the reference)")
+    parser.add_argument("--lab", default="", help="a chapter's other lab (e.g. expert: lab_expert.py)")
+    parser.add_argument("--solution", action="store_true", help="grade the reference (lab_solution.py)")
     parser.add_argument("--file", default=None, help="grade this file instead of the chapter's lab.py")
     parser.add_argument("--only", default=None, help="only the properties whose name contains this")
     args = parser.parse_args(argv)
-    verdicts = grade(args.chapter, args.file, args.solution, args.only)
+    try:
+        verdicts = grade(args.chapter, args.file, args.solution, args.only, lab=args.lab)
+    except ValueError as error:  # a lab the chapter has not
+        print(error, file=sys.stderr)
+        return 2
     return 0 if verdicts and not any(v.failed for v in verdicts) else 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # run as the imported module: the labs' checks use its Fail and Property
+    from common.grader import main as imported_main
+
+    sys.exit(imported_main())

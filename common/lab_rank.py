@@ -1,14 +1,22 @@
 """The labs' grader, on each rank: the student's file loaded as a module, every collective and
-send/recv traced before it runs, and point-to-point code run without moving data to record its plan.
+send/recv traced before it runs, point-to-point code run without moving data to record its plan,
+and any exception turned into a record the grader reports.
 
-`_on_rank` is what common/grader.py sends to every rank of a job for one property.
+`_on_rank` is what common/grader.py sends to every rank of a job for one property. A property's
+`run` marks where it is with `at(step=…, phase=…)`; when anything raises on a rank (the student's
+code, or the grader reading what it returned), the rank writes what raised, where (that mark, the
+innermost frame in the lab file and the innermost frame overall) to `error<rank>` in the job's
+trace folder and ends its process at once: its peers, waiting in a collective it will never
+post, are stopped by the grader instead of waiting out a deadline.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
+import traceback
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
@@ -26,7 +34,13 @@ from common.patch import patch_dist
 TRACED = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
           "reduce_scatter_single", "all_to_all_single", "broadcast", "barrier", "all_gather",
           "gather", "scatter", "send", "recv", "isend", "irecv", "batch_isend_irecv")
+WHERE: dict[str, Any] = {}  # the running property's step and phase, set by `at`
 
+
+def at(step: int | None = None, phase: str | None = None) -> None:
+    """Mark where the property's run is (step counted from 1; phase: forward, backward, …): an
+    exception raised after this is reported there."""
+    WHERE.update({k: v for k, v in (("step", step), ("phase", phase)) if v is not None})
 
 
 def load_lab(path: str | Path) -> ModuleType:
@@ -100,16 +114,39 @@ def record_p2p_plan():
         yield recorder
 
 
-def _on_rank(package: str, prop_name: str, lab_path: str, config: dict, trace_dir: str) -> Any:
-    """One rank's part of one property: trace, load the lab, run."""
-    prop = property_named(package, prop_name)
-    with trace_ops(os.path.join(trace_dir, f"rank{dist.get_rank()}")):
-        lab = load_lab(lab_path)
-        if not prop.plan:
-            return prop.run(lab, **config)
-        with record_p2p_plan() as recorder:
-            described = prop.run(lab, **config)
-        return _labelled(dict(recorder.groups), described)
+def _frame(frame, lineno: int) -> str:
+    code = frame.f_code
+    return f"{getattr(code, 'co_qualname', code.co_name)} ({Path(code.co_filename).name}:{lineno})"
+
+
+def raised(error: BaseException, lab_path: str) -> dict:
+    """What the grader reports of an exception: its type and message, the mark of `at`, the
+    innermost frame in the lab file and the innermost frame of all (torch's, or the grader's)."""
+    frames = list(traceback.walk_tb(error.__traceback__))
+    mine = Path(lab_path).resolve()
+    lab = [(f, n) for f, n in frames if Path(f.f_code.co_filename).resolve() == mine]
+    message = " ".join(str(error).split())
+    return {"type": type(error).__name__, "message": message[:400], **WHERE,
+            "lab_frame": _frame(*lab[-1]) if lab else None, "frame": _frame(*frames[-1]) if frames else None}
+
+
+def _on_rank(module: str, prop_name: str, lab_path: str, config: dict, trace_dir: str) -> Any:
+    """One rank's part of one property: trace, load the lab, run. Anything raised is written to
+    `error<rank>` and ends the process (module doc)."""
+    WHERE.clear()
+    rank = dist.get_rank()
+    try:
+        prop = property_named(module, prop_name)
+        with trace_ops(os.path.join(trace_dir, f"rank{rank}")):
+            lab = load_lab(lab_path)
+            if not prop.plan:
+                return prop.run(lab, **config)
+            with record_p2p_plan() as recorder:
+                described = prop.run(lab, **config)
+            return _labelled(dict(recorder.groups), described)
+    except BaseException as error:  # a student's SystemExit is reported too
+        Path(trace_dir, f"error{rank}").write_text(json.dumps(raised(error, lab_path)))
+        os._exit(1)
 
 
 def _labelled(groups: dict, described: Any) -> dict:
@@ -127,7 +164,5 @@ def _labelled(groups: dict, described: Any) -> dict:
     return groups
 
 
-def property_named(package: str, name: str):
-    return next(p for p in importlib.import_module(f"{package}.lab_check").PROPERTIES if p.name == name)
-
-
+def property_named(module: str, name: str):
+    return next(p for p in importlib.import_module(module).PROPERTIES if p.name == name)
