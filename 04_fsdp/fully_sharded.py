@@ -3,8 +3,7 @@
     model = FullyShardedDataParallel(model, auto_wrap_policy=partial(transformer_auto_wrap_policy,
                 transformer_layer_cls={TransformerBlock}), mixed_precision=MixedPrecision(
                 torch.bfloat16, torch.float32, torch.bfloat16), sharding_strategy=FULL_SHARD)
-    optimizer = torch.optim.AdamW(model.parameters())     # the 1/N flat shards
-    loss = model(batch); loss.backward(); optimizer.step(); optimizer.zero_grad()
+    optimizer = torch.optim.AdamW(model.parameters())     # the 1/N flat shards; then torch's loop
 
 The life cycle of a unit (FULL_SHARD) in one step, N ranks, P_u parameters:
 
@@ -32,8 +31,8 @@ tensor-parallel blocks over a DP group):
     a sub-group; for HYBRID_SHARD / _HYBRID_SHARD_ZERO2 (shard_group, replicate_group), torch's
     (intra-node, inter-node) pair (None: torch's default, nodes of LOCAL_WORLD_SIZE ranks, built
     by the kernel's mesh in fsdp.wrap.process_groups).
-    Refused, with the fix: an offloading cpu_offload, ignored_modules/_states, device_mesh.
-    limit_all_gathers is moot: at most one unit is prefetched ahead.
+    Refused, with the fix: an offloading cpu_offload, ignored_modules/_states, device_mesh;
+    limit_all_gathers is moot (at most one unit is prefetched ahead).
     A meta-device module, torch's way: each unit calls param_init_fn(module) on its modules (or
     to_empty + reset_parameters), then shards: the peak is one unit. Ours, cheaper:
     shard_init_fn(name, meta_param) returns a parameter's full values, called only for those
@@ -47,28 +46,20 @@ tensor-parallel blocks over a DP group):
   .set_gradient_divide_factor(f)              (FSDP2's) divide this unit's gradient by f, not s·r
   .clip_grad_norm_(max_norm, norm_type=2.0)   torch's clipping, norm over every shard of the group
                                               (HSDP: of the shard group; the replicas are equal)
-  .state_dict() / .load_state_dict(sd)        torch's default, FULL_STATE_DICT: {original name:
-      full tensor} on every rank (a collective) / every rank passes the full tensors, keeps its slice
-  .full_state_dict(rank0_only=True), .full_gradients(rank0_only=True)  the same, on group rank 0
-  .local_state_dict() / .load_local_state_dict(sd)  {"<unit>._flat_param": shard} per rank
-  FSDP.optim_state_dict(model, optim) / .optim_state_dict_to_load(model, optim, osd)  torch's pair, by
-      original name (a collective) / cut to the shards; torch's other FSDP1 methods raise, naming the fix
-  .shard_layout()                             [UnitShard] per unit, root first: its flat shard and,
-      for every original parameter, its ParamShard (name, shape, offset, numel, shard_offset)
-  .units()                                    every FSDP instance under the root, root first;
-                                              each has .unit_name ("" for the root)
+  .state_dict() / .load_state_dict(sd), FSDP.optim_state_dict / .optim_state_dict_to_load, and
+      the full, local and per-unit views (.shard_layout(), .units()): state.py, which says each;
+      torch's other FSDP1 methods raise, naming the fix
   .memory_trace                               set to [] to record (event, unit, live bytes, phase)
 
-MixedPrecision(..., _module_classes_to_ignore=(RMSNorm,)) (torch's field, used with an
-auto_wrap_policy as in torch): each module of those classes becomes its own unit in the module's
-dtype; it casts its inputs to that dtype and its outputs back to param_dtype.
+MixedPrecision(..., _module_classes_to_ignore=(RMSNorm,)) (torch's field): each module of those
+classes becomes its own unit in its own dtype, inputs cast to it and outputs back to param_dtype.
 
 Semantics a caller may rely on: several forwards may precede their backwards (1F1B); every
-backward (each `backward()` call) ends with all reductions landed in the shards' `.grad` and
-every unit freed; the next use gathers again. Each unit's gradient reduction is SUM then ÷ N
-(HSDP: reduce-scatter SUM over the shard group, all-reduce SUM over the replicate group, ÷ s·r).
+`backward()` ends with all reductions landed in the shards' `.grad`, every unit freed. Each unit's
+gradient reduction is SUM then ÷ N (HSDP: reduce-scatter SUM over the shard group, all-reduce SUM
+over the replicate group, ÷ s·r).
 
-Depends only on torch, common/clip.py and common/collectives.py.
+Depends only on torch and the kernel's common/clip.py, collectives.py and mesh.py.
 """
 
 from __future__ import annotations

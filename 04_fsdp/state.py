@@ -6,7 +6,12 @@ the FSDP process group (every rank of the group calls it). `state_dict()` / `loa
 keep torch's default contract (StateDictType.FULL_STATE_DICT): the original parameter names,
 without the wrappers' `_fsdp_wrapped_module` segments, full tensors on every rank, so the dict
 loads into the unwrapped model; the optimizer's state likewise (torch's `optim_state_dict` pair, by
-original names). Clipping follows torch.nn.utils.clip_grad_norm_ (common/clip.py):
+original names). The other views: `full_state_dict(rank0_only=True)` and `full_gradients()` the
+same on group rank 0; `local_state_dict()` / `load_local_state_dict(sd)` {"<unit>._flat_param":
+shard} per rank; `shard_layout()` a UnitShard per unit, root first (its flat shard and each
+original parameter's ParamShard: name, shape, offset, numel, shard_offset); `units()` every FSDP
+instance under the root, each with its `.unit_name` ("" for the root). Clipping follows
+torch.nn.utils.clip_grad_norm_ (common/clip.py):
 
     total = sqrt(Σ_ranks Σ_shard g²)          (each element once: shards are disjoint)
     g    *= min(1, max_norm / (total + 1e-6))

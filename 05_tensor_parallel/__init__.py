@@ -72,20 +72,18 @@ Context parallelism (context_parallel.py), the sequence split over a CP `group` 
     check_cp_sizes(seq_len, cp, layout)  ValueError;  attention_work / load_balance;  ring_plan
 """
 
-from .context_parallel import (
-    all_gather_attention,
-    apply_context_parallel,
+from .context_layout import (
     attention_work,
     check_cp_sizes,
     contiguous_positions,
     load_balance,
-    ring_attention,
     ring_plan,
     sequence_positions,
     shard_sequence,
     unshard_sequence,
     zigzag_positions,
 )
+from .context_parallel import all_gather_attention, apply_context_parallel, ring_attention
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import (
     ColumnParallelLinear,

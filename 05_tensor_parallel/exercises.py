@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from common.exercise import attempt
-from tensor_parallel import context_parallel
+from tensor_parallel import context_layout
 
 
 def _work(positions: list[list[int]]) -> list[int]:
@@ -45,7 +45,7 @@ def check_zigzag_positions(zigzag_positions: Callable) -> bool:
             if max(work) != min(work):
                 return False, (f"{where}: causal work per rank {work} (max/min {max(work) / min(work):.2f}): "
                                "which two chunks add up to the same work on every rank?")
-            want = [context_parallel.zigzag_positions(s, cp, r).tolist() for r in range(cp)]
+            want = [context_layout.zigzag_positions(s, cp, r).tolist() for r in range(cp)]
             if got != want:
                 return False, (f"{where}: balanced, but rank r's first chunk must be chunk r (the library's "
                                f"order, which ring attention and RoPE rely on): your rank 0 holds {got[0]}")

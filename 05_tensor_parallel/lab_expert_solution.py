@@ -7,6 +7,8 @@ lab_expert.py. Read it after you have passed them, or when you are stuck for goo
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -65,7 +67,7 @@ class ExpertDispatcher:
         in_splits = [sum(counts[q * self.local : (q + 1) * self.local]) for q in range(self.ep)]
         out_splits = [sum(row) for row in received]
         arrived = AllToAll.apply(rows, out_splits, in_splits, self.group)  # source-major
-        starts = torch.tensor([0, *out_splits]).cumsum(0).tolist()
+        starts = list(itertools.accumulate(out_splits, initial=0))  # host arithmetic, no tensor
         order = [torch.arange(starts[s] + sum(received[s][:e]), starts[s] + sum(received[s][: e + 1]),
                               device=x.device) for e in range(self.local) for s in range(self.ep)]
         regroup = torch.cat(order)  # expert-major

@@ -27,7 +27,7 @@ from parallel3d.memory_model import head_activation_bytes, layer_activation_byte
 from parallel3d.parallelize import Parallel3DConfig
 from pipeline.schedules import Schedule
 from pipeline.simulator import closed_form_bubble
-from tensor_parallel.context_parallel import load_balance
+from tensor_parallel.context_layout import load_balance
 
 
 @dataclass(frozen=True)

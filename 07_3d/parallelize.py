@@ -38,8 +38,8 @@ from fsdp.wrap import HYBRID_STRATEGIES, MixedPrecision, ModuleWrapPolicy, Shard
 from parallel3d.recompute import MODES, Recomputed, apply_recompute, unwrapped_name
 from pipeline.schedules import SCHEDULES, virtual_stages
 from pipeline.stage import LlamaChunk, split_model
+from tensor_parallel.context_layout import sequence_positions, shard_sequence
 from tensor_parallel.context_parallel import apply_context_parallel as context_parallel
-from tensor_parallel.context_parallel import sequence_positions, shard_sequence
 from tensor_parallel.parallelize import parallelize_llama
 from tensor_parallel.sharding import TPShard, local_piece
 

@@ -91,7 +91,8 @@ COPY_SETS: dict[str, CopySet] = {
     "ring attention": CopySet(
         "05_tensor_parallel/README.md", "from tensor_parallel.context_parallel import apply_context_parallel",
         ("05_tensor_parallel/context_parallel.py",),
-        ("05_tensor_parallel/context_parallel.py", "common/collectives.py")),
+        ("05_tensor_parallel/context_layout.py", "05_tensor_parallel/context_parallel.py",
+         "common/collectives.py")),
     "pipeline schedule and executor": CopySet(
         "06_pipeline/README.md",
         "from pipeline.executor import PipelineExecutor; from pipeline.schedules import make_schedule",
@@ -103,7 +104,8 @@ COPY_SETS: dict[str, CopySet] = {
         "from parallel3d.parallelize import parallelize_3d; from parallel3d.clip import clip_grad_norm_3d",
         ("07_3d/parallelize.py", "07_3d/clip.py", "common/mesh.py", "06_pipeline/executor.py"),
         ("04_fsdp/flat_param.py", "04_fsdp/fully_sharded.py", "04_fsdp/state.py", "04_fsdp/wrap.py",
-         "05_tensor_parallel/context_parallel.py", "05_tensor_parallel/cross_entropy.py",
+         "05_tensor_parallel/context_layout.py", "05_tensor_parallel/context_parallel.py",
+         "05_tensor_parallel/cross_entropy.py",
          "05_tensor_parallel/layers.py", "05_tensor_parallel/mappings.py",
          "05_tensor_parallel/parallelize.py", "05_tensor_parallel/sharding.py",
          "06_pipeline/backward_split.py", "06_pipeline/executor.py", "06_pipeline/p2p.py",
@@ -270,9 +272,12 @@ def readme_section(readme: str) -> str:
         if piece.readme != readme:
             continue
         total = sum(line_count(f) for f in piece.files)
-        link = lambda f: f"[`{copy_path(f)}`]({os.path.relpath(ROOT / f, here)})"  # noqa: E731
-        links = ", ".join(link(f) for f in piece.files)
-        extra = "".join(f" For {OPTIONAL_KERNEL[f]}, also {link(f)}." for f in optional_files(piece))
+        link = lambda f: f"[{Path(f).name}]({os.path.relpath(ROOT / f, here)})"  # noqa: E731
+        folders: dict[str, list[str]] = {}  # by the folder each file goes to in a copy
+        for f in piece.files:
+            folders.setdefault(str(Path(copy_path(f)).parent), []).append(link(f))
+        links = "; ".join(f"`{folder}/` {', '.join(files)}" for folder, files in folders.items())
+        extra = "".join(f" For {OPTIONAL_KERNEL[f]}, also `{copy_path(f)}`." for f in optional_files(piece))
         out += [fill(f"**{name}** (`{piece.use}`): {len(piece.files)} files, {total} lines: {links}.{extra}")]
     guide = os.path.relpath(ROOT / "CONTRIBUTING.md", here)
     out += [f"How to copy, and the test that trains a copy alone: [CONTRIBUTING.md]({guide}#copy-a-piece)."]

@@ -60,8 +60,9 @@ def tensor_parallel(M, model, ref, args):
 
 def ring_attention(M, model, ref, args):
     cp = importlib.import_module("tensor_parallel.context_parallel")
+    layout = importlib.import_module("tensor_parallel.context_layout")
     rank, world = dist.get_rank(), dist.get_world_size()
-    positions = cp.sequence_positions(SEQ, world, rank)
+    positions = layout.sequence_positions(SEQ, world, rank)
 
     def build(net):
         cp.apply_context_parallel(net, dist.group.WORLD, variant="ring", layout="zigzag")
@@ -72,7 +73,7 @@ def ring_attention(M, model, ref, args):
         for step in steps:
             tokens = batch(step, 4, net.cfg.vocab_size)
             for micro in tokens.split(2):  # this rank's zig-zag chunks of every row's tokens
-                x, y = (cp.shard_sequence(t, world, rank) for t in (micro[:, :-1], micro[:, 1:]))
+                x, y = (layout.shard_sequence(t, world, rank) for t in (micro[:, :-1], micro[:, 1:]))
                 M.loss_fn(net(x, positions), y).div(2).backward()
             for p in net.parameters():  # the user's DP over the CP ranks: the mean of equal shares
                 dist.all_reduce(p.grad)

@@ -27,6 +27,7 @@ from tensor_parallel import (
     all_gather_attention,
     apply_context_parallel,
     attention_work,
+    context_layout,
     load_balance,
     ring_attention,
     ring_plan,
@@ -115,7 +116,7 @@ def _skip_a_needed_block(cp, rank, source, layout="zigzag", causal=True):
     return [p for p in pairs if source == rank or not full or p != full[0]]
 
 
-PAIRS = cpmod.block_pairs
+PAIRS = context_layout.block_pairs
 BROKEN = {"lse-dropped": ("_merge", _drop_lse_correction),
           "causal-block-skipped": ("block_pairs", _skip_a_needed_block),
           "dkv-not-home": ("_arrived_home", lambda own, travelled: own)}

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tensor_parallel.context_parallel import ring_step, shard_sequence, unshard_sequence
+from tensor_parallel.context_layout import shard_sequence, unshard_sequence
+from tensor_parallel.context_parallel import ring_step
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4])

@@ -10,14 +10,14 @@ import math
 import torch
 import torch.nn.functional as F
 
-from tensor_parallel.context_parallel import (
+from tensor_parallel.context_layout import (
     attention_work,
     block_pairs,
     rank_chunks,
     ring_exchanges,
-    ring_step,
     shard_sequence,
 )
+from tensor_parallel.context_parallel import ring_step
 
 from . import draw
 from .__init__ import Figure, Source
@@ -175,13 +175,13 @@ def last_group_dropped(groups: list) -> list:
 FIGURES = [
     Figure(name="cp_layout", path="05_tensor_parallel/figures/cp_layout.svg", data=cp_layout_data,
            draw=cp_layout_draw, sizes={"cp": 4, "seq_len": 4096},
-           sources=(Source("tensor_parallel.context_parallel:rank_chunks", perturb=reversed_chunks),
-                    Source("tensor_parallel.context_parallel:block_pairs", perturb=lambda pairs: pairs[:-1]),
-                    Source("tensor_parallel.context_parallel:attention_work", perturb=lambda w: w + 1)),
+           sources=(Source("tensor_parallel.context_layout:rank_chunks", perturb=reversed_chunks),
+                    Source("tensor_parallel.context_layout:block_pairs", perturb=lambda pairs: pairs[:-1]),
+                    Source("tensor_parallel.context_layout:attention_work", perturb=lambda w: w + 1)),
            alt="the causal attention blocks each rank computes, contiguous against zig-zag, and its work"),
     Figure(name="ring_attention_steps", path="05_tensor_parallel/figures/ring_attention_steps.svg",
            data=ring_attention_data, draw=ring_attention_draw, sizes={"cp": 4},
-           sources=(Source("tensor_parallel.context_parallel:ring_exchanges", perturb=last_group_dropped),
+           sources=(Source("tensor_parallel.context_layout:ring_exchanges", perturb=last_group_dropped),
                     Source("tensor_parallel.context_parallel:ring_step", perturb=lse_shifted)),
            alt="the ring's steps: which K/V block each rank holds and how much of its softmax is merged"),
 ]

@@ -28,7 +28,7 @@ from pipeline import p2p
 from pipeline.schedules import gpipe, make_schedule
 from pipeline.simulator import simulate
 from pipeline.stage import layer_partition
-from tensor_parallel.context_parallel import ring_exchanges
+from tensor_parallel.context_layout import ring_exchanges
 from tensor_parallel.formulas import Shape, block_comm_bytes
 
 from . import draw
