@@ -38,7 +38,8 @@ torch.set_num_threads(1)
 
 # Seconds per chapter in the ci profile: about 1.8× an idle run on the 2-core machine this was
 # measured on (2026-12-03: 1385 tests, 446 s by these groups), the margin a slower CI box needs;
-# together under the 15 minutes that `make test` may take. A rank pool's start-up is paid by the first file that uses its world size.
+# together under the 15 minutes that `make test` may take. A rank pool's start-up is paid by the
+# first file that uses its world size.
 BUDGET_S: dict[str, tuple[tuple[str, ...], float]] = {
     "common (model, harness, loop)": (("test_common.py", "test_model.py", "test_harness.py",
                                       "test_gpu_check.py", "test_training_loop.py",
