@@ -120,7 +120,7 @@ def norm_hint(got_sq: float, want_sq: float, grads: dict[str, torch.Tensor], ran
     for counted in (whole + shared, shared, whole):
         if counted and near(got_sq - want_sq, extra(counted), 1e-6):
             kinds = ", ".join(sorted({n.split(".")[-2] for n in counted}))
-            kv = ("; wk and wv are copies too when n_kv_heads < t, though not replicated"
+            kv = ("; wk and wv have copies too when n_kv_heads < t: each K/V head is on t/n_kv ranks"
                   if set(shared) & set(counted) else "")
             return (f"TP copies counted on every TP rank: ‖g‖² exceeds one device's by exactly {kinds} "
                     f"counted again on each copy ({len(counted)} tensors with tp_specs[name].copies > 1"
