@@ -46,7 +46,8 @@ def train_data_parallel(spec: TrainSpec, strategy: str, bucket_cap_mb: float = 2
     model = build_model(spec.cfg, spec.seed, spec.torch_dtype)
     dp = wrap(model, strategy, bucket_cap_mb, all_reduce)
     optimizer = make_optimizer(model.parameters(), spec.optimizer, spec.lr)
-    data, losses, grads = spec.data(), [], []
+    data, losses, grads, step_params = spec.data(), [], [], []
+    teacher_forced = spec.precision != torch.float64  # as tests.equivalence.train_strategy
     for step in range(spec.steps):
         micro = local_micro_batches(data.global_batch(step, spec.global_batch), rank, world,
                                     spec.micro_batch)
@@ -59,10 +60,12 @@ def train_data_parallel(spec: TrainSpec, strategy: str, bucket_cap_mb: float = 2
             loss_sum += loss.item()
         dp.finish()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        if teacher_forced:
+            step_params.append({n: p.detach().clone() for n, p in model.named_parameters()})
         losses.append(loss_sum)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return RunRecord(losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()})
+    return RunRecord(losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}, step_params)
 
 
 def run_data_parallel(pools, spec: TrainSpec, strategy: str, bucket_cap_mb: float = 25.0,
@@ -73,4 +76,4 @@ def run_data_parallel(pools, spec: TrainSpec, strategy: str, bucket_cap_mb: floa
         for name, p in record.params.items():
             assert torch.equal(p, records[0].params[name]), f"rank {rank} drifted from rank 0 in {name}"
     losses = [sum(r.losses[s] for r in records) / len(records) for s in range(spec.steps)]
-    return RunRecord(losses, records[0].grads, records[0].params)
+    return RunRecord(losses, records[0].grads, records[0].params, records[0].step_params)

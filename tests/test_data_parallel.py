@@ -32,6 +32,7 @@ from tests.data_parallel_runs import SumNotAverageDDP, run_data_parallel, wrap
 from tests.equivalence import (
     TrainSpec,
     assert_matches_reference,
+    compare,
     data_parallel_specs,
     differences,
     reference_record,
@@ -76,6 +77,15 @@ def test_broken_data_parallel_is_detected(pools, broken, optimizer):
         assert_matches_reference(run_data_parallel(pools, spec, broken, 0.004), spec)
     record = run_data_parallel(pools, spec, broken, 0.004, replicas_must_agree=False)
     assert differences(record, reference_record(spec))["grad"] > 1e3 * TOLERANCE[torch.float64]
+
+
+@pytest.mark.parametrize("broken", ["sum-not-average", "skip-first-bucket"])
+def test_broken_ddp_is_detected_in_bfloat16(pools, broken):
+    """The bfloat16 property's negative control: teacher-forced (each step from the strategy's own
+    parameters), a broken DDP misses by more than 10× the bf16 tolerance."""
+    spec = TrainSpec(**{**NEGATIVE_SPEC.__dict__, "dtype": "bfloat16", "steps": 3})
+    diffs = compare(run_data_parallel(pools, spec, broken, 1e-6, replicas_must_agree=False), spec)
+    assert diffs["grad"] > 10 * TOLERANCE[torch.bfloat16], diffs
 
 
 def test_sum_not_average_hides_from_adamw_loss_but_not_from_gradients(pools):
