@@ -205,9 +205,10 @@ def node_size(world_size: int) -> int:
 
 
 def process_groups(process_group, sharding_strategy: ShardingStrategy) -> tuple[object, object | None]:
-    """(the group a unit shards over, the group its shards are all-reduced over or None)."""
+    """(the group a unit shards over, the group its shards are all-reduced over or None); torch's
+    defaults: the world, or for HSDP the node's ranks and their replicas."""
     if sharding_strategy not in HYBRID_STRATEGIES:
-        return process_group, None
+        return dist.group.WORLD if process_group is None else process_group, None
     if process_group is None:  # torch's default: node k's L ranks shard, local rank i's replicate
         per_node = node_size(dist.get_world_size())
         mesh = build_mesh(MeshShape(dp_replicate=dist.get_world_size() // per_node, dp_shard=per_node),

@@ -424,7 +424,7 @@ def torch_way(ours: bool) -> dict:
     norm = train(model, opt, (0, 1))
     state = model.state_dict(destination=None, prefix="", keep_vars=False)
     osd = FSDP.optim_state_dict(model=model, optim=opt, optim_state_dict=opt.state_dict(), group=None)
-    facts = {"module": type(model.module).__name__, "world": dist.get_world_size(model.process_group),
+    facts = {"module": type(model.module).__name__, "world": model.process_group.size(),
              "mixed_precision": dataclasses.astuple(model.mixed_precision)[:6]}
     fresh, fresh_opt = build(5)
     missing = fresh.load_state_dict(state_dict=state, strict=True, assign=False)
