@@ -58,25 +58,12 @@ def run_fg(lab, world: int) -> dict:
 def check_fg(runs) -> Fail | str:
     """f: identity forward, gradient summed over the TP group backward; g: the sum over the group
     forward, identity backward; neither changes its input."""
-    ranks = runs[0].ranks
-    xs = [rand("x", 3, 4, rank=q) for q in range(WORLD)]
-    ws = [rand("w", 3, 4, rank=q) for q in range(WORLD)]
     for tp in TPS:
-        for q, got in enumerate(ranks):
-            members = range(q // tp * tp, q // tp * tp + tp)
-            sx, sw = sum(xs[m] for m in members), sum(ws[m] for m in members)
-            want = {"f": {"output": xs[q], "input grad": sw}, "g": {"output": sx, "input grad": ws[q]}}
-            suspects = {("f", "output"): [(sx, h.F_FORWARD + h.SWAPPED)],
-                        ("f", "input grad"): [(ws[q], h.F_OWN)],
-                        ("g", "output"): [(xs[q], h.G_OWN + h.SWAPPED)],
-                        ("g", "input grad"): [(sw, h.G_BACKWARD + h.SWAPPED)]}
-            for op, key in (("f", "input grad"), ("g", "output")):  # the two sums
-                suspects[op, key].append((want[op][key] / tp, h.AVERAGED))
-                if tp < WORLD:
-                    everything = sum(xs) if key == "output" else sum(ws)
-                    suspects[op, key].append((everything, h.EVERYWHERE.format(world=WORLD, tp=tp)))
+        for q, got in enumerate(runs[0].ranks):
+            want, suspects = h.fg_case(tp, q)
+            x = rand("x", 3, 4, rank=q)
             for op in ("f", "g"):
-                if not close(got[tp, op]["input after"], xs[q]):
+                if not close(got[tp, op]["input after"], x):
                     return Fail(f"{where(tp, q)}: {op} changed its input x in place",
                                 "all-reduce a copy (x.clone()): the caller still needs x, and autograd saved "
                                 "it")
@@ -84,7 +71,7 @@ def check_fg(runs) -> Fail | str:
                     if close(value := got[tp, op][key], want[op][key]):
                         continue
                     hint = diagnose(value, want[op][key], suspects[op, key], tp, key)
-                    if op == "f" and key == "output" and close(got[tp, "g"]["output"], xs[q]):
+                    if op == "f" and key == "output" and close(got[tp, "g"]["output"], x):
                         hint = h.SWAPPED_BOTH
                     finding = first_difference({f"{op}: {key}": value}, {f"{op}: {key}": want[op][key]})
                     return Fail(f"{where(tp, q)}: {finding}", hint)

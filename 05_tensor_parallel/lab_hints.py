@@ -80,6 +80,24 @@ def full_linear(out: int = OUT) -> nn.Linear:
     return linear
 
 
+def fg_case(t: int, q: int) -> tuple[dict, dict]:
+    """One device: what f and g must give rank q in TP groups of t (each op's output and input
+    gradient, for (x · w).sum()), and the suspects: what typical bugs compute instead."""
+    xs, ws = ([rand(name, 3, 4, rank=p) for p in range(WORLD)] for name in ("x", "w"))
+    members = range(q // t * t, q // t * t + t)
+    sx, sw = sum(xs[m] for m in members), sum(ws[m] for m in members)
+    want = {"f": {"output": xs[q], "input grad": sw}, "g": {"output": sx, "input grad": ws[q]}}
+    suspects = {("f", "output"): [(sx, F_FORWARD + SWAPPED)], ("f", "input grad"): [(ws[q], F_OWN)],
+                ("g", "output"): [(xs[q], G_OWN + SWAPPED)],
+                ("g", "input grad"): [(sw, G_BACKWARD + SWAPPED)]}
+    for op, key in (("f", "input grad"), ("g", "output")):  # the two sums
+        suspects[op, key].append((want[op][key] / t, AVERAGED))
+        if t < WORLD:
+            everything = sum(xs) if key == "output" else sum(ws)
+            suspects[op, key].append((everything, EVERYWHERE.format(world=WORLD, tp=t)))
+    return want, suspects
+
+
 def linear_case(t: int, r: int, kind: str, gather: bool | None) -> tuple[dict, dict]:
     """One device: what rank r of t must hold and compute (the full linear's output and
     gradients, sliced), and the suspects: what typical bugs compute instead, with their hints."""
