@@ -9,7 +9,9 @@ stale), every image a lesson or page shows exists, and every figure is shown som
 from __future__ import annotations
 
 import importlib
+import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -86,3 +88,19 @@ def test_every_image_a_lesson_shows_exists_and_every_figure_is_shown() -> None:
     unknown = sorted(img for img in everything if img not in drawn and img not in figures.MEASURED)
     assert not unknown, (f"images shown that no figure draws and MEASURED does not list with its "
                          f"command: {unknown}")
+
+
+def test_every_figure_of_a_chapter_is_a_cell_of_its_notebook() -> None:
+    """Notebooks follow the pages: each figure a chapter's lesson or page shows is redrawn by a
+    `show("name", ...)` cell of the chapter's lesson.ipynb, where the learner changes the sizes."""
+    by_path = {f.path: f.name for f in FIGURES}
+    absent = []
+    for page, images in lesson_images().items():
+        notebook = ROOT / Path(page).parts[0] / "lesson.ipynb"
+        if not notebook.exists():  # the front page
+            continue
+        cells = json.loads(notebook.read_text())["cells"]
+        code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+        absent += [(page, by_path[img]) for img in images
+                   if img in by_path and f'show("{by_path[img]}"' not in code]
+    assert not absent, f"figures no notebook cell redraws: {absent}"
