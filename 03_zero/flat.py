@@ -225,7 +225,7 @@ class FlatGroup:
             p, f"{name}.grad lives in ZeroOptimizer's flat buffers ({where}), so it cannot be read or "
             "changed through p.grad: clip with opt.clip_grad_norm_(max_norm) instead of "
             "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm), and read gradients with "
-            "opt.full_gradients()", lambda i=i: self.forget_grad(i))
+            "opt.full_gradients(); " + WRAPPED, lambda i=i: self.forget_grad(i))
             for i, (name, p) in enumerate(zip(self.names, self.params, strict=True))]
 
     def show_grads(self) -> None:
@@ -336,6 +336,10 @@ def make_groups(named_groups: list[list[tuple[str, nn.Parameter]]], world: int, 
             g.offsets, g.numel = [where[id(p)] for p in g.params], world * size
         groups.append(g)
     return groups
+
+
+WRAPPED = ("if a DistributedDataParallel wraps the model, drop it: ZeroOptimizer reduces gradients "
+           "itself (torch's ZeroRedundancyOptimizer leaves that to DDP)")
 
 
 class ShardedGrad(torch.Tensor):

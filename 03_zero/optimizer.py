@@ -1,4 +1,5 @@
-"""ZeroOptimizer: ZeRO's sharded optimizer as a torch optimizer, in ZeroRedundancyOptimizer's shape.
+"""ZeroOptimizer: ZeRO's sharded optimizer as a torch optimizer, in ZeroRedundancyOptimizer's shape
+(but it reduces the gradients itself: no DistributedDataParallel around the model).
 
     opt = ZeroOptimizer([{"params": matrices}, {"params": norms_and_biases, "weight_decay": 0.0}],
                         torch.optim.AdamW, stage=2, lr=3e-4, weight_decay=0.1)
@@ -132,6 +133,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  for i, p in enumerate(group["params"]) if p.requires_grad]
         if not named:
             raise ValueError(f"param group {len(self.param_groups) - 1} has no parameter that requires grad")
+        if hooked := [n for n, p in named if len(getattr(p, "_post_accumulate_grad_hooks", None) or ())
+                      > hasattr(p, "_zero_hooks")]:  # ours, from an optimizer this one replaces
+            raise RuntimeError(f"{hooked[0]} has another post-accumulate-grad hook: " + flat.WRAPPED)
         if self.optim is None:
             self._choose_dtypes(named[0][1])
         groups = self._layout(named)
@@ -307,6 +311,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             g.show_grads()
         for hook in self.end_of_backward_hooks:
             hook()
+        if self.stage == 0 and self.reduce_dtype == self.compute_dtype:  # p.grad: views of grad_flat
+            versions = [g.grad_flat._version for g in self.flat_groups]
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._untouched(versions))
+
+    def _untouched(self, versions: list[int]) -> None:
+        """After every other end-of-backward callback: none wrote into the reduced p.grad (torch's
+        DistributedDataParallel around the model writes its own average there, silently)."""
+        if [g.grad_flat._version for g in self.flat_groups] != versions:
+            raise RuntimeError("p.grad was written after ZeroOptimizer reduced it, by another "
+                               "end-of-backward hook: " + flat.WRAPPED)
 
     # --- step ---------------------------------------------------------------------------------
     def _require_reduced(self, what: str) -> bool:

@@ -485,3 +485,33 @@ def test_assign_owners_is_within_four_thirds_of_the_best_balance(numels, world):
     best = min(max(sum(n for n, r in zip(numels, ranks, strict=True) if r == k) for k in range(world))
                for ranks in itertools.product(range(world), repeat=len(numels)))
     assert max(load) * 3 <= 4 * best, (numels, load, best)
+
+
+def under_ddp(wrapper: str, stage: int) -> None:
+    """A torch user's ZeroRedundancyOptimizer habit: the model wrapped in DistributedDataParallel
+    (torch's, or chapter 01's), then one step of ZeroOptimizer, which reduces gradients itself."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from data_parallel import DistributedDataParallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    model = make_model(0)
+    net = (TorchDDP if wrapper == "torch" else DistributedDataParallel)(model)
+    try:
+        opt = ZeroOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, lr=1e-2)
+        x, y = batch(0)
+        F.mse_loss(net(x[rows]), y[rows]).backward()
+        opt.step()
+    finally:
+        net = None  # torch's DDP holds the process group: gone before the pool's next call
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("wrapper", ["torch", "ours"])
+def test_a_ddp_wrapper_is_refused_naming_the_fix(pools, wrapper, stage):
+    """Both reducing is never silent: torch's DDP writes its average into the reduced p.grad
+    (stage 0: every parameter off by O(1) without this check), chapter 01's hooks run first and
+    stage 2 then steps other numbers (2e-2 off after 3 AdamW steps)."""
+    with pytest.raises(RankError, match=r"if a DistributedDataParallel wraps the model, drop it"):
+        pools.run(2, under_ddp, wrapper, stage)
