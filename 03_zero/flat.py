@@ -35,6 +35,8 @@ from torch.utils._pytree import tree_flatten
 
 from common.collectives import all_gather_single, reduce_scatter_single
 
+from .sole_reducer import WRAPPED
+
 
 def padded_size(numel: int, world: int) -> int:
     """The smallest multiple of `world` >= numel (the flat buffer's length)."""
@@ -336,10 +338,6 @@ def make_groups(named_groups: list[list[tuple[str, nn.Parameter]]], world: int, 
             g.offsets, g.numel = [where[id(p)] for p in g.params], world * size
         groups.append(g)
     return groups
-
-
-WRAPPED = ("if a DistributedDataParallel wraps the model, drop it: ZeroOptimizer reduces gradients "
-           "itself (torch's ZeroRedundancyOptimizer leaves that to DDP)")
 
 
 class ShardedGrad(torch.Tensor):

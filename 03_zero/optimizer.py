@@ -1,5 +1,5 @@
 """ZeroOptimizer: ZeRO's sharded optimizer as a torch optimizer, in ZeroRedundancyOptimizer's shape
-(but it reduces the gradients itself: no DistributedDataParallel around the model).
+(but it reduces the gradients itself: no DDP around the model, sole_reducer.py).
 
     opt = ZeroOptimizer([{"params": matrices}, {"params": norms_and_biases, "weight_decay": 0.0}],
                         torch.optim.AdamW, stage=2, lr=3e-4, weight_decay=0.1)
@@ -54,7 +54,7 @@ from torch import nn
 
 from common.clip import clip_grads_by_global_norm_
 
-from . import flat, optimizer_state
+from . import flat, optimizer_state, sole_reducer
 from .flat import FlatGroup, Unit
 from .offload import buffer_empty, host_step_threads
 
@@ -133,9 +133,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  for i, p in enumerate(group["params"]) if p.requires_grad]
         if not named:
             raise ValueError(f"param group {len(self.param_groups) - 1} has no parameter that requires grad")
-        if hooked := [n for n, p in named if len(getattr(p, "_post_accumulate_grad_hooks", None) or ())
-                      > hasattr(p, "_zero_hooks")]:  # ours, from an optimizer this one replaces
-            raise RuntimeError(f"{hooked[0]} has another post-accumulate-grad hook: " + flat.WRAPPED)
+        sole_reducer.refuse_other_hooks(named)
         if self.optim is None:
             self._choose_dtypes(named[0][1])
         groups = self._layout(named)
@@ -312,15 +310,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for hook in self.end_of_backward_hooks:
             hook()
         if self.stage == 0 and self.reduce_dtype == self.compute_dtype:  # p.grad: views of grad_flat
-            versions = [g.grad_flat._version for g in self.flat_groups]
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._untouched(versions))
-
-    def _untouched(self, versions: list[int]) -> None:
-        """After every other end-of-backward callback: none wrote into the reduced p.grad (torch's
-        DistributedDataParallel around the model writes its own average there, silently)."""
-        if [g.grad_flat._version for g in self.flat_groups] != versions:
-            raise RuntimeError("p.grad was written after ZeroOptimizer reduced it, by another "
-                               "end-of-backward hook: " + flat.WRAPPED)
+            sole_reducer.watch([g.grad_flat for g in self.flat_groups])
 
     # --- step ---------------------------------------------------------------------------------
     def _require_reduced(self, what: str) -> bool:

@@ -75,7 +75,7 @@ COPY_SETS: dict[str, CopySet] = {
         "03_zero/README.md", "from zero.optimizer import ZeroOptimizer",
         ("03_zero/optimizer.py",),
         ("03_zero/flat.py", "03_zero/offload.py", "03_zero/optimizer.py",
-         "03_zero/optimizer_state.py", "common/clip.py", "common/collectives.py")),
+         "03_zero/optimizer_state.py", "03_zero/sole_reducer.py", "common/clip.py", "common/collectives.py")),
     "FSDP": CopySet(
         "04_fsdp/README.md", "from fsdp.fully_sharded import FullyShardedDataParallel",
         ("04_fsdp/fully_sharded.py",),
