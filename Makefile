@@ -18,7 +18,7 @@ CHAPTERS := 1 2 3 4 5 6 7
 RUNS     := $(addprefix run-,$(CHAPTERS))
 BENCHES  := $(addprefix bench-,$(CHAPTERS))
 TESTS    := $(addprefix test-,$(CHAPTERS) common checkpoints notebooks labs benches moe)
-.PHONY: figures lab-check setup test test-fast test-thorough $(TESTS) lint notebooks lab bench bench-5-cp bench-5-ep gpu-check clean help $(RUNS) $(BENCHES)
+.PHONY: figures figures-check lab-check setup test test-fast test-thorough $(TESTS) lint notebooks lab bench bench-5-cp bench-5-ep gpu-check clean help $(RUNS) $(BENCHES)
 
 help:
 	@echo "make test            create .venv, install, run the equivalence suite (CI runs this)"
@@ -31,7 +31,8 @@ help:
 	@echo "make test-N          one chapter's tests (N = 1..7, common, checkpoints, notebooks, labs, benches, moe)"
 	@echo "make test-thorough   the suite with many hypothesis examples"
 	@echo "make notebooks       execute every lesson.ipynb in place"
-	@echo "make figures         redraw every lesson figure from the code it pictures (common/figures)"
+	@echo "make figures         redraw every lesson figure from the code it pictures (each chapter's figures/)"
+	@echo "make figures-check   write nothing; exit 1 if an image is missing or older than its data"
 	@echo "make lab-check N=1   grade your lab (0N_*/lab.py) against one device; SOLUTION=1 grades the reference"
 	@echo "                     (N=5 LAB=expert: expert parallelism's lab; N=5 LAB=context: ring attention's)"
 	@echo "make lab             install JupyterLab into the venv (the 'lab' extra) and open the lessons"
@@ -69,17 +70,20 @@ notebooks: $(SETUP)
 	$(PY) -m common.notebooks --in-place
 
 figures: $(SETUP)
-	$(PY) -m common.figures
+	$(PY) -m common.figures $(ARGS)
+
+figures-check: $(SETUP)
+	$(PY) -m common.figures --check
 
 # The labs: you write a chapter's mechanism in 0N_*/lab.py (or a chapter's other lab, LAB=name:
 # lab_<name>.py); the grader runs its properties on your file and prints a verdict per property
-# (common/grader.py); the exit status is 1 when any verdict fails the lab.
+# (common/labs/grader.py); the exit status is 1 when any verdict fails the lab.
 N ?=
 LAB ?=
 ONLY ?=
 lab-check: $(SETUP)
 	@test -n "$(N)" || { echo "usage: make lab-check N=<chapter 1-7> [LAB=expert|context] [SOLUTION=1] [FILE=path] [ONLY=words]"; exit 2; }
-	$(PY) -m common.grader $(N) $(if $(LAB),--lab $(LAB)) $(if $(SOLUTION),--solution) $(if $(FILE),--file $(FILE)) $(if $(ONLY),--only "$(ONLY)")
+	$(PY) -m common.labs.grader $(N) $(if $(LAB),--lab $(LAB)) $(if $(SOLUTION),--solution) $(if $(FILE),--file $(FILE)) $(if $(ONLY),--only "$(ONLY)")
 
 # JupyterLab is not part of `make test`'s install: the optional extra `lab`, installed on first use.
 LAB_URL ?= /lab/tree/01_data_parallel/lesson.ipynb

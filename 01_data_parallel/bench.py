@@ -30,7 +30,7 @@ import torch.distributed as dist
 from common import bench as harness
 from common.cli import DTYPES
 from common.dist import DistContext, print0
-from common.model import LlamaConfig, build_model, count_parameters, get_config
+from common.kernel.model import LlamaConfig, build_model, count_parameters, get_config
 from common.reference import make_optimizer
 from data_parallel import DistributedDataParallel, NaiveDataParallel
 

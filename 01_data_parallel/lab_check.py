@@ -1,4 +1,4 @@
-"""Lab 01's properties: what `make lab-check N=1` runs on your lab.py (common/grader.py runs them).
+"""Lab 01's properties: what `make lab-check N=1` runs on your lab.py (common/labs/grader.py runs them).
 
 A small LLaMA in float64 is trained with your BucketedDDP on 2 and 3 ranks, and on a world of 3
 cut into groups of 2 and 1 (your `group=`), each rank on its slice of the global batch, and
@@ -15,12 +15,12 @@ from functools import cache
 import torch
 
 from common.data import SyntheticTokens
-from common.diagnosis import close, explain, first_difference, near, steps_pattern
-from common.grader import Fail, Property
-from common.lab_rank import at
-from common.lab_tools import group_of, local_rows, one_device, split, where
-from common.model import build_model, get_config, loss_fn
-from common.patch import patch_dist
+from common.kernel.model import build_model, get_config, loss_fn
+from common.kernel.patch import patch_dist
+from common.labs.diagnosis import close, explain, first_difference, near, steps_pattern
+from common.labs.grader import Fail, Property
+from common.labs.rank import at
+from common.labs.tools import group_of, local_rows, one_device, split, where
 from common.reference import make_optimizer, make_reference
 
 TITLE = "bucketed DDP"

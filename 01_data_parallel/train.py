@@ -18,11 +18,11 @@ from torch import nn
 
 from common.cli import base_parser, batch_layout, require, validate_common
 from common.dist import DistContext
+from common.kernel.mesh import mesh_shape
+from common.kernel.model import build_model
+from common.kernel.optimizer_bytes import optimizer_state_bytes
 from common.memory import optimizer_state_tensors, storage_bytes
-from common.mesh import mesh_shape
 from common.mixed_precision import MasterWeights
-from common.model import build_model
-from common.optimizer_bytes import optimizer_state_bytes
 from common.reference import make_optimizer
 from common.run import Run, resolve_run
 from common.training import Strategy, run_main

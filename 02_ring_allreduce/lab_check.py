@@ -1,4 +1,4 @@
-"""Lab 02's properties: what `make lab-check N=2` runs on your lab.py (common/grader.py runs them).
+"""Lab 02's properties: what `make lab-check N=2` runs on your lab.py (common/labs/grader.py runs them).
 
 Rank r of a group holds x_r[i] = (i + 1) · 10^r in float64, so a sum over ranks spells its
 members in decimal digits: element i of the full sum on 4 ranks is 1111 · (i + 1), and a chunk
@@ -7,7 +7,7 @@ run uses lengths 12 (2, 3 and 4 divide it), 10 (uneven at 3 and 4) and 3 (uneven
 chunk is empty) on 2, 3 and 4 ranks, and on a world of 4 cut into groups of 1 and 3 (your
 `group=`: ranks 1–3 form a ring of 3, rank 0 a ring of 1). The truth is torch's sum of the same
 tensors, and the bytes each rank sends are counted from its batch_isend_irecv calls
-(common/p2p_plan.P2PRecorder): what the ring is for is (n-1)/n·S bytes per phase, whatever n.
+(common/kernel/p2p_plan.P2PRecorder): what the ring is for is (n-1)/n·S bytes per phase, whatever n.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from common.diagnosis import explain, first_difference, uneven_pattern
-from common.grader import Fail, Property
-from common.lab_rank import at
-from common.lab_tools import group_of, local_rows, one_device, split, where
-from common.model import build_model, get_config, loss_fn
-from common.p2p_plan import P2PRecorder
-from common.patch import patch_dist
+from common.kernel.model import build_model, get_config, loss_fn
+from common.kernel.p2p_plan import P2PRecorder
+from common.kernel.patch import patch_dist
+from common.labs.diagnosis import explain, first_difference, uneven_pattern
+from common.labs.grader import Fail, Property
+from common.labs.rank import at
+from common.labs.tools import group_of, local_rows, one_device, split, where
 from common.reference import make_optimizer
 from ring_allreduce.lab_hints import bounds, data, diagnose_all_reduce, diagnose_chunk, diagnose_gather
 

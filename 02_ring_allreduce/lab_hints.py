@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from common.diagnosis import TOLERANCE, close, explain, first_difference
+from common.labs.diagnosis import TOLERANCE, close, explain, first_difference
 
 RS_RULE = ("the chunk index rule: what rank r sends at step s, rank r+1 must receive at step s, and "
            "chunk r's last hop (step s = n-2) must end at rank r; draw the n = 3 ring on paper and "

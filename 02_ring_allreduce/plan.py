@@ -2,7 +2,7 @@
 
 One function, `ring_exchanges`, lays out the exchanges of one rank; `ring.py` runs exactly that
 list (mapping each piece to a view of its tensors) and `ring_plan` turns the same list into every
-rank's ordered P2P groups, which the suite replays under NCCL's rules (common/p2p_plan.py) and
+rank's ordered P2P groups, which the suite replays under NCCL's rules (common/kernel/p2p_plan.py) and
 compares with the groups real runs post. Plan and code therefore cannot drift apart.
 
 Layout. A length-L tensor is cut into n chunks, chunk i of L//n + (1 if i < L % n else 0) elements
@@ -129,7 +129,7 @@ def ring_plan(collective: str, sizes: Sequence[int], element_size: int, segment_
     "all_reduce") over chunks of `sizes` elements of `element_size` bytes, with `segment_bytes`
     segments, `check` the call check's n-1 hops first (n = 1: no message at all). A group is a
     list of `(kind, peer, nbytes, label)` tuples ("send"/"recv"); ranks and peers are `ranks[i]`
-    for group rank i (default: the group ranks themselves), as common.p2p_plan.find_deadlock takes
+    for group rank i (default: the group ranks themselves), as common.kernel.p2p_plan.find_deadlock takes
     them."""
     n = len(sizes)
     ranks = list(range(n)) if ranks is None else list(ranks)

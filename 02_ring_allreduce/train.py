@@ -23,7 +23,7 @@ import torch.distributed as dist
 from common.bench import seconds_per_call
 from common.cli import base_parser, batch_layout, require, validate_common
 from common.dist import DistContext
-from common.mesh import mesh_shape
+from common.kernel.mesh import mesh_shape
 from common.run import Run, resolve_run
 from common.training import Strategy, run_main
 from data_parallel import DistributedDataParallel

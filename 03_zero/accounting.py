@@ -18,12 +18,13 @@ bytes by nccl-tests' convention, f = (N-1)/N, k micro-batches per step:
     stage 3   per micro-batch: 2 all-gathers + 1 reduce-scatter    k·f·(Ψ·b_g + 2·Ψ_s·b_p) + f·Ψ_p·b_p
 
 With b_p = b_g and k = 1, stages 1-2 move exactly DP's 2f·Ψ·b and stage 3 1.5× that.
-Plain arithmetic; the optimizer's state per element is common/optimizer_bytes.py's `optimizer_state_bytes`.
+Plain arithmetic; the optimizer's state per element is common/kernel/optimizer_bytes.py's
+`optimizer_state_bytes`.
 """
 
 from __future__ import annotations
 
-from common.optimizer_bytes import optimizer_state_bytes
+from common.kernel.optimizer_bytes import optimizer_state_bytes
 
 GB = 1e9
 

@@ -23,8 +23,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from common import bench as harness
 from common.cli import DTYPES
 from common.dist import print0
+from common.kernel.model import build_model, count_parameters, get_config
 from common.memory import model_state_bytes, storage_bytes
-from common.model import build_model, count_parameters, get_config
 from common.reference import make_optimizer
 from zero import ZeroConfig, ZeroEngine
 

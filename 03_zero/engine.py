@@ -17,7 +17,7 @@ gather a unit before it runs and free it after ([`stage3.py`](stage3.py)). A mod
 meta device takes `init_values_fn(name)` (the full initial values of each parameter) and `device`:
 the flat buffers are filled one group at a time, so at stage 3 a rank never holds more than its
 shards and one unit (twice: the values and their cast copy). Depends only on torch (and
-common/clip.py and common/collectives.py through the optimizer).
+common/kernel/clip.py and common/kernel/collectives.py through the optimizer).
 """
 
 from __future__ import annotations

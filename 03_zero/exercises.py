@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from common.exercise import attempt
-from common.model import build_model, get_config
+from common.kernel.model import build_model, get_config
 from zero.flat import assign_buckets, make_groups
 
 # `tiny` in reduce buckets of 20,000 elements (7 buckets), as lesson.ipynb's (b) lays it out

@@ -20,7 +20,7 @@ after.
 
 While a gradient lives only in the shards, `p.grad` holds a `ShardedGrad`: the parameter's shape,
 dtype and device, no storage, and an error naming the fix for any read. Depends only on torch and
-common/collectives.py.
+common/kernel/collectives.py.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from common.collectives import all_gather_single, reduce_scatter_single
+from common.kernel.collectives import all_gather_single, reduce_scatter_single
 
 from .sole_reducer import WRAPPED
 

@@ -25,9 +25,9 @@ ZeRO-2 removes that peak by reduce-scattering bucket by bucket during backward (
 engine.py; lab 04's post-backward hook does it per unit).
 
 Tools (torch, and the course's two renamed collectives):
-- `reduce_scatter_single(out, inp, group=...)` from common.collectives: out (s elements) = Σ over
+- `reduce_scatter_single(out, inp, group=...)` from common.kernel.collectives: out (s elements) = Σ over
   ranks of inp[r·s : (r+1)·s] (always SUM; inp has N·s elements).
-- `all_gather_single(out, inp, group=...)` from common.collectives: out[r·s : (r+1)·s] = rank r's inp.
+- `all_gather_single(out, inp, group=...)` from common.kernel.collectives: out[r·s : (r+1)·s] = rank r's inp.
 - `dist.all_reduce(t, op=dist.ReduceOp.SUM, group=...)`.
 - `torch.clamp(x, max=1.0)`; `t.reshape(-1)`; `p.copy_(...)` under `torch.no_grad()`.
 
@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.collectives import all_gather_single, reduce_scatter_single  # noqa: F401 (your tools)
+from common.kernel.collectives import all_gather_single, reduce_scatter_single  # noqa: F401 (your tools)
 
 
 def owner_slice(numel: int, world: int, rank: int) -> tuple[int, int]:

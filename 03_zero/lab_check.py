@@ -1,4 +1,4 @@
-"""Lab 03's properties: what `make lab-check N=3` runs on your lab.py (common/grader.py runs them).
+"""Lab 03's properties: what `make lab-check N=3` runs on your lab.py (common/labs/grader.py runs them).
 
 A small LLaMA in float64 (Ψ = 43,168 parameters: 3 ranks need s = 14,390 and 2 elements of
 padding) is trained with your Zero1 on 2 and 3 ranks, and on a world of 3 cut into groups of 1
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from common.diagnosis import steps_pattern
-from common.grader import Fail, Property
-from common.lab_rank import at
-from common.lab_tools import collectives, local_rows, members, one_device, split
-from common.model import build_model, get_config, loss_fn
+from common.kernel.model import build_model, get_config, loss_fn
+from common.labs.diagnosis import steps_pattern
+from common.labs.grader import Fail, Property
+from common.labs.rank import at
+from common.labs.tools import collectives, local_rows, members, one_device, split
 from zero.lab_hints import (
     NUMEL,
     explain_grads,

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from common.diagnosis import explain, first_difference, near
-from common.model import build_model, get_config
+from common.kernel.model import build_model, get_config
+from common.labs.diagnosis import explain, first_difference, near
 
 CFG = get_config("tiny", n_layers=2)
 _META = build_model(CFG, dtype=torch.float64, device="meta")

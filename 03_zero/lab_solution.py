@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.collectives import all_gather_single, reduce_scatter_single
+from common.kernel.collectives import all_gather_single, reduce_scatter_single
 
 
 def owner_slice(numel: int, world: int, rank: int) -> tuple[int, int]:

@@ -39,7 +39,7 @@ boundaries, so only an element-wise optimizer (`ELEMENTWISE`) is exact and any o
 "parameter": whole tensors, largest first to the least-loaded rank (`flat.assign_owners`), for any
 optimizer. Offload: [`offload.py`](offload.py); checkpoints (torch's ZeroRedundancyOptimizer pair,
 above) in torch's per-parameter format: [`optimizer_state.py`](optimizer_state.py). Depends only
-on torch, common/clip.py and common/collectives.py.
+on torch, common/kernel/clip.py and common/kernel/collectives.py.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.clip import clip_grads_by_global_norm_
+from common.kernel.clip import clip_grads_by_global_norm_
 
 from . import flat, optimizer_state, sole_reducer
 from .flat import FlatGroup, Unit

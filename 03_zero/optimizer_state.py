@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.collectives import all_gather_single
+from common.kernel.collectives import all_gather_single
 
 from .flat import FlatGroup
 

@@ -18,9 +18,9 @@ import torch
 
 from common.cli import ConfigError, base_parser, batch_layout, require, validate_common
 from common.dist import DistContext
+from common.kernel.mesh import mesh_shape
+from common.kernel.model import TransformerBlock, build_model, initializer
 from common.memory import ActivationMeter, storage_bytes
-from common.mesh import mesh_shape
-from common.model import TransformerBlock, build_model, initializer
 from common.reference import make_optimizer
 from common.run import Run, resolve_run
 from common.training import Strategy, run_main

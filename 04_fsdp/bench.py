@@ -27,8 +27,8 @@ import torch
 from common import bench as harness
 from common.cli import DTYPES, ConfigError, exit_on_config_error
 from common.dist import print0
+from common.kernel.model import TransformerBlock, build_model, count_parameters, get_config
 from common.memory import storage_bytes
-from common.model import TransformerBlock, build_model, count_parameters, get_config
 from common.reference import make_optimizer
 from data_parallel import DistributedDataParallel
 from fsdp import HYBRID_STRATEGIES, FullyShardedDataParallel, ShardingStrategy, transformer_auto_wrap_policy

@@ -26,7 +26,7 @@ it holds [max(r·S, o), min((r+1)·S, o+n)) − o: `ParamShard` (name, shape, of
 the piece sits in the shard); `UnitShard` is one unit's public description. With `orig_params`
 (torch's use_orig_params=True) each original parameter stays registered as a view of its piece
 (1-D while sharded, its own shape with one shard), and its `.grad` is a view of the gradient shard.
-Depends only on torch and common/collectives.py.
+Depends only on torch and common/kernel/collectives.py.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.collectives import all_gather_single, reduce_scatter_single
+from common.kernel.collectives import all_gather_single, reduce_scatter_single
 
 
 @dataclass(frozen=True)

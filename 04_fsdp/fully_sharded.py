@@ -59,7 +59,7 @@ Semantics a caller may rely on: several forwards may precede their backwards (1F
 gradient reduction is SUM then ÷ N (HSDP: reduce-scatter SUM over the shard group, all-reduce SUM
 over the replicate group, ÷ s·r).
 
-Depends only on torch and the kernel's common/clip.py, collectives.py and mesh.py.
+Depends only on torch and the kernel's common/kernel/clip.py, collectives.py and mesh.py.
 """
 
 from __future__ import annotations

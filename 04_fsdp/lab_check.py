@@ -1,4 +1,4 @@
-"""Lab 04's properties: what `make lab-check N=4` runs on your lab.py (common/grader.py runs them).
+"""Lab 04's properties: what `make lab-check N=4` runs on your lab.py (common/labs/grader.py runs them).
 
 In the order of a unit's life: what each rank keeps (its 1/N of the flat, padded parameters);
 when full holds memory (what FSDP is for: whole only inside the unit's forward and backward); a
@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from common.diagnosis import explain, first_difference, steps_pattern
-from common.grader import Fail, Property
-from common.lab_rank import at
-from common.lab_tools import collectives, local_rows, members, one_device, split
-from common.model import RMSNorm, build_model, get_config, loss_fn, rope_cos_sin
+from common.kernel.model import RMSNorm, build_model, get_config, loss_fn, rope_cos_sin
+from common.labs.diagnosis import explain, first_difference, steps_pattern
+from common.labs.grader import Fail, Property
+from common.labs.rank import at
+from common.labs.tools import collectives, local_rows, members, one_device, split
 from common.reference import make_optimizer
 from fsdp.lab_hints import ERROR_HINTS as ERROR_HINTS  # the grader reads a lab's error hints here
 from fsdp.lab_hints import LIFE, PAD_HINT, UNITS, flat, guard, layout, shard_error, unshard

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from common.model import build_model, get_config
+from common.kernel.model import build_model, get_config
 
 CFG = get_config("tiny", n_layers=2)
 UNITS = ("tok_embeddings", "layers.0", "layers.1", "norm", "output")  # forward order

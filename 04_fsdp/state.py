@@ -11,12 +11,12 @@ same on group rank 0; `local_state_dict()` / `load_local_state_dict(sd)` {"<unit
 shard} per rank; `shard_layout()` a UnitShard per unit, root first (its flat shard and each
 original parameter's ParamShard: name, shape, offset, numel, shard_offset); `units()` every FSDP
 instance under the root, each with its `.unit_name` ("" for the root). Clipping follows
-torch.nn.utils.clip_grad_norm_ (common/clip.py):
+torch.nn.utils.clip_grad_norm_ (common/kernel/clip.py):
 
     total = sqrt(Σ_ranks Σ_shard g²)          (each element once: shards are disjoint)
     g    *= min(1, max_norm / (total + 1e-6))
 
-Depends only on torch and common/clip.py.
+Depends only on torch and common/kernel/clip.py.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from common.clip import accumulate_dtype, clip_grads_by_global_norm_
+from common.kernel.clip import accumulate_dtype, clip_grads_by_global_norm_
 
 from .flat_param import FlatParamHandle, UnitShard
 from .wrap import ShardingStrategy

@@ -12,7 +12,7 @@ to that padding, which the formulas below count:
 
 FSDP2 picks its reduce op by dtype: float64 reduces with SUM and divides by N itself; float32 and
 bf16 ask for ReduceOp.AVG. On torch 2.13 gloo computes that AVG correctly (checked: the gradient
-norm matches one device); DESIGN.md's pitfall (gloo on torch 2.5-2.8 returns the SUM for an AVG
+norm matches one device); CONTRIBUTING.md's rule of the NCCL path (gloo on torch 2.5-2.8 returns the SUM for an AVG
 reduce-scatter) is why the course's own code never uses AVG, and `--check`'s gradient comparison
 is what would show it (a loss curve under AdamW barely does).
 """
@@ -27,9 +27,9 @@ import torch.distributed as dist
 from torch import nn
 
 from common.dist import DistContext
+from common.kernel.model import build_model, initializer
+from common.kernel.optimizer_bytes import optimizer_state_bytes
 from common.memory import ActivationMeter, optimizer_state_tensors, storage_bytes
-from common.model import build_model, initializer
-from common.optimizer_bytes import optimizer_state_bytes
 from common.reference import make_optimizer
 from common.run import Run
 from common.training import Strategy

@@ -30,10 +30,10 @@ from torch import nn
 
 from common.cli import ConfigError, base_parser, batch_layout, require, validate_common
 from common.dist import DistContext, pick_backend
+from common.kernel.mesh import MeshShape, build_mesh, mesh_shape
+from common.kernel.model import TransformerBlock, build_model, initializer
+from common.kernel.optimizer_bytes import optimizer_state_bytes
 from common.memory import ActivationMeter, model_state_bytes
-from common.mesh import MeshShape, build_mesh, mesh_shape
-from common.model import TransformerBlock, build_model, initializer
-from common.optimizer_bytes import optimizer_state_bytes
 from common.reference import make_optimizer
 from common.run import Run, resolve_run
 from common.training import Strategy, run_main

@@ -10,7 +10,7 @@ A *unit* is a module whose parameters are flattened into one flat parameter and 
 so the source article's `partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})`
 works unchanged: every TransformerBlock becomes a unit, the root unit keeps what is left
 (embeddings, final norm, output head). HSDP's two groups (`process_groups`) are resolved here
-too: torch's default is the kernel's mesh (common/mesh.py) of one node per dp_shard line.
+too: torch's default is the kernel's mesh (common/kernel/mesh.py) of one node per dp_shard line.
 Depends only on torch and the kernel.
 """
 
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from common.mesh import MeshShape, build_mesh
+from common.kernel.mesh import MeshShape, build_mesh
 
 
 class ShardingStrategy(enum.Enum):
@@ -157,7 +157,7 @@ def check_options(process_group, sharding_strategy, backward_prefetch, cpu_offlo
 
 # --- HSDP's two groups --------------------------------------------------------------------------
 
-NODE_GROUPS = ("(mesh.group('dp_shard'), mesh.group('dp_replicate')) of common.mesh's "
+NODE_GROUPS = ("(mesh.group('dp_shard'), mesh.group('dp_replicate')) of common.kernel.mesh's "
                "build_mesh(MeshShape(dp_replicate=nodes, dp_shard=ranks_per_node))")
 
 def check_process_group(process_group, sharding_strategy: ShardingStrategy, auto_wrap_policy) -> None:

@@ -3,7 +3,7 @@
 Every function and layer takes the TP process `group` explicitly (never the world), so a 3D mesh
 can pass one line of its TP dimension. Every rank of a TP group must feed the same data.
 
-Public API. The core files import only torch and the common kernel (common/collectives.py);
+Public API. The core files import only torch and the common kernel (common/kernel/collectives.py);
 what to copy for the TP layers and plan, and for ring attention: common/copy_sets.py (README.md's
 "Copy it" section).
 
@@ -58,7 +58,8 @@ Sharding description (sharding.py), for gathering, checkpoints and clipping:
     gather_tensor(local, spec) / gather_full({name: tensor}, specs) -> full tensors (collective)
     local_piece(full, spec) -> this rank's piece of a full tensor (no collective)
     TPShard.counted_here: this rank's piece enters a global norm (one rank of each piece's
-        copies): pass those grads as common.clip.clip_grads_by_global_norm_'s `counted`, groups=(tp_group,)
+        copies): pass those grads as common.kernel.clip.clip_grads_by_global_norm_'s `counted`,
+        groups=(tp_group,)
 
 Formulas (formulas.py): activation bytes per layer (itemized, this LLaMA, t, SP) and
 communication per block; cp_comm_bytes / cp_activation_bytes for context parallelism.

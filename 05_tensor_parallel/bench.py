@@ -25,7 +25,7 @@ import torch
 from common import bench as harness
 from common.data import split_inputs_targets
 from common.dist import print0
-from common.model import build_model, get_config, loss_fn
+from common.kernel.model import build_model, get_config, loss_fn
 from common.reference import make_optimizer
 from tensor_parallel import parallelize_llama, vocab_parallel_loss
 
@@ -41,7 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def torch_tp(model: torch.nn.Module, mesh) -> torch.nn.Module:
-    """torch's own TP (DTensor) on common.model's LLaMA: the plain Megatron plan (no SP, no loss parallel)."""
+    """torch's own TP (DTensor) on common.kernel.model's LLaMA: the plain Megatron plan (no SP, no
+    loss parallel)."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 

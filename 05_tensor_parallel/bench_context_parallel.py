@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from common import bench as harness
 from common.dist import print0
-from common.model import causal_attention, get_config
+from common.kernel.model import causal_attention, get_config
 from tensor_parallel import all_gather_attention, check_cp_sizes, ring_attention, shard_sequence
 from tensor_parallel.formulas import cp_comm_bytes
 

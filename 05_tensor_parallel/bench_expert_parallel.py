@@ -39,8 +39,8 @@ from common import bench as harness
 from common.cli import DTYPES
 from common.comm import CommMeter
 from common.dist import print0, shutdown
-from common.model import feed_forward, get_config, init_parameter
-from common.moe import MoEFeedForward, RoutingPlan, permute, unpermute
+from common.kernel.model import feed_forward, get_config, init_parameter
+from common.kernel.moe import MoEFeedForward, RoutingPlan, permute, unpermute
 from tensor_parallel import gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region
 from tensor_parallel.expert_parallel import expert_parallel
 from tensor_parallel.mappings import all_gather_along

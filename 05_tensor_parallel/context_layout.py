@@ -13,7 +13,7 @@ zig-zag pairs an early chunk with a late one, so every rank does the same work (
 RoPE must use the global positions (`sequence_positions`), not 0 … s/cp - 1.
 
 The ring's P2P groups are data (`ring_exchanges`, `ring_plan`): the code posts exactly those, and
-the suite replays them under NCCL's rules (common/p2p_plan.find_deadlock). Every rank posts the
+the suite replays them under NCCL's rules (common/kernel/p2p_plan.find_deadlock). Every rank posts the
 same sequence of groups, each pairing its sends right with its receives from the left.
 
 Pure functions of sizes, plus the two that cut and join token tensors: nothing here touches a
@@ -143,7 +143,7 @@ def ring_exchanges(phase: str, cp: int) -> list[tuple[int, tuple[str, ...]]]:
 def ring_plan(phase: str, cp: int, kv_bytes: int, dkv_bytes: int | None = None,
               ranks: Sequence[int] | None = None) -> dict[int, list[list[tuple[str, int, int, str]]]]:
     """Every rank's ordered P2P groups for `phase` with K/V messages of `kv_bytes` (dK/dV of
-    `dkv_bytes`, default the same), as common.p2p_plan.find_deadlock takes them; `ranks[i]` is
+    `dkv_bytes`, default the same), as common.kernel.p2p_plan.find_deadlock takes them; `ranks[i]` is
     group rank i's global rank."""
     ranks = list(range(cp)) if ranks is None else list(ranks)
     nbytes = {"kv": kv_bytes, "dkv": kv_bytes if dkv_bytes is None else dkv_bytes}

@@ -15,10 +15,10 @@ dK/dV: fewer bytes, no overlap, and the whole sequence's K/V held per rank.
 The layouts (zig-zag, contiguous), the work each rank does and the ring's P2P plan as data are
 pure arithmetic, in context_layout.py: this file posts exactly that plan.
 
-A drop-in piece: this file imports only torch, context_layout.py and common/collectives.py (copy
+A drop-in piece: this file imports only torch, context_layout.py and common/kernel/collectives.py (copy
 all three). Use it by
 `apply_context_parallel(model, cp_group)` on a model whose attention modules call a swappable
-`attend(q, k, v)` (common/model.py's Attention), or call `ring_attention(q, k, v, group)` from
+`attend(q, k, v)` (common/kernel/model.py's Attention), or call `ring_attention(q, k, v, group)` from
 your own attention; feed each rank its `shard_sequence` tokens and RoPE at their
 `sequence_positions`.
 """
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.collectives import all_gather_single, reduce_scatter_single
+from common.kernel.collectives import all_gather_single, reduce_scatter_single
 
 from .context_layout import (
     block_pairs,
@@ -278,7 +278,7 @@ def all_gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
 
 def apply_context_parallel(module: nn.Module, group, variant: str = "ring",
                            layout: str = "zigzag") -> None:
-    """Every attention of `module` (each submodule with common.model's `attend` hook) attends
+    """Every attention of `module` (each submodule with common.kernel.model's `attend` hook) attends
     causally through CP over `group`; the caller feeds each rank its `shard_sequence` tokens and
     their `sequence_positions` for RoPE. In place."""
     if variant not in VARIANTS:

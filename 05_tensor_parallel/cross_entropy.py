@@ -61,7 +61,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, gr
                                  vocab_start: int, vocab_size: int) -> torch.Tensor:
     """Megatron's contract: the next-token cross-entropy of every position, shaped like `targets`
     (unreduced: mask or average it yourself; `parallelize.vocab_parallel_loss` takes the mean, like
-    common.model.loss_fn), from this rank's logits [..., V'/t] (columns = vocab ids vocab_start …)
+    common.kernel.model.loss_fn), from this rank's logits [..., V'/t] (columns = vocab ids vocab_start …)
     and the full targets [...]. Computed in float32 or better, whatever the logits' dtype. Megatron
     reads the TP group and this rank's vocab range from global state; here they are arguments."""
     flat = logits.flatten(0, -2)

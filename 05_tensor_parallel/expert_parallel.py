@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.moe import GroupedExperts, MoEFeedForward, RoutingPlan, moe_layers, permute, unpermute
+from common.kernel.moe import GroupedExperts, MoEFeedForward, RoutingPlan, moe_layers, permute, unpermute
 
 
 class _AllToAll(torch.autograd.Function):
@@ -64,7 +64,7 @@ def all_to_all_rows(x: torch.Tensor, out_splits: list[int], in_splits: list[int]
 
 
 class AllToAllDispatcher:
-    """The MoE layer's dispatcher seam (common/moe.py) over an EP group; dispatch and combine come
+    """The MoE layer's dispatcher seam (common/kernel/moe.py) over an EP group; dispatch and combine come
     in pairs within one forward, so dispatch keeps the splits and the regrouping for combine."""
 
     def __init__(self, group, n_experts: int):

@@ -170,7 +170,7 @@ def step_comm_bytes(x: Shape, micro_batches: int, dp: int = 1, reduce_bytes: int
     per_micro = microbatch_comm_bytes(x)
     elements, _ = local_parameter_count(x)
     data_parallel = 2 * (dp - 1) / dp * elements * (reduce_bytes or x.e)
-    clip_bytes = 8 if (reduce_bytes or x.e) == 8 else 4  # common.clip: the norm in float64, else float32
+    clip_bytes = 8 if (reduce_bytes or x.e) == 8 else 4  # the clip norm: float64, else float32
     return micro_batches * per_micro + data_parallel + (ar * clip_bytes if clip else 0)
 
 

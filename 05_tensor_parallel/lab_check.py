@@ -1,11 +1,11 @@
-"""Lab 05's properties: what `make lab-check N=5` runs on your lab.py (common/grader.py runs them).
+"""Lab 05's properties: what `make lab-check N=5` runs on your lab.py (common/labs/grader.py runs them).
 
 Each property runs one job of 4 ranks, twice: on two TP groups of 2 ({0, 1} and {2, 3}, each
 computing the same thing) and on one TP group of 4; every rank's result is compared in float64
 with the same computation on one device at 1e-10 (max relative difference per tensor): f and g
 with their definitions; the parallel linears with nn.Linear (each rank's slice of the weight and
 bias first, then the output, the input's gradient and the weight and bias gradients), and a size
-the group does not divide refused; parallelize_mlp and parallelize_attention with common.model's
+the group does not divide refused; parallelize_mlp and parallelize_attention with common.kernel.model's
 FeedForward and Attention, counting the collectives each direction posts (what TP is for: 1/t of
 the weights per rank, one all-reduce each way per sub-layer); a 2-layer LLaMA made of your pieces
 trains 2 SGD steps against common.reference. Optional, reported but not needed to pass: sequence
@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 
 from common.data import SyntheticTokens, split_inputs_targets
-from common.diagnosis import close, first_difference
-from common.grader import Fail, Property
-from common.lab_rank import at
-from common.lab_tools import agree, collectives, one_device, rand, split
-from common.model import build_model, get_config, loss_fn, rope_cos_sin
+from common.kernel.model import build_model, get_config, loss_fn, rope_cos_sin
+from common.labs.diagnosis import close, first_difference
+from common.labs.grader import Fail, Property
+from common.labs.rank import at
+from common.labs.tools import agree, collectives, one_device, rand, split
 from common.reference import make_optimizer
 from tensor_parallel import lab_hints as h
 from tensor_parallel.lab_check_extra import EXTRA

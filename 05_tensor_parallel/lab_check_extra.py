@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from common.diagnosis import close, first_difference
-from common.grader import Fail, Property
-from common.lab_rank import at
-from common.lab_tools import rand, split
+from common.labs.diagnosis import close, first_difference
+from common.labs.grader import Fail, Property
+from common.labs.rank import at
+from common.labs.tools import rand, split
 from tensor_parallel.lab_hints import (
     EMPTY,
     OVERFLOW,

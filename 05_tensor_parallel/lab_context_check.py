@@ -4,7 +4,7 @@ First the pure pieces, in one process: your zig-zag shard for cp = 1 … 4 and y
 your merge in three cases (ordinary scores, scores in the thousands, a query that sees no key of
 one set). Then your ring_attention on 2, 3 and 4 ranks and on a world of 4 cut into two groups of
 2 (your `group=`): its sends and receives recorded without moving data and replayed under NCCL's
-rules (common/p2p_plan.find_deadlock) before any real run; then for real, in float64 (2 heads,
+rules (common/kernel/p2p_plan.find_deadlock) before any real run; then for real, in float64 (2 heads,
 chunks of 2 tokens): every rank's out and lse against causal attention over the whole sequence
 on one device at 1e-10, and what the ring is for: every rank computes the same blocks (2·cp − 1
 full, 2 diagonal, none of the skipped ones) and sends cp − 1 K/V blocks, nothing more.
@@ -16,11 +16,11 @@ import math
 
 import torch
 
-from common.diagnosis import close, first_difference
-from common.grader import Fail, Property
-from common.lab_rank import at
-from common.lab_tools import group_of, rand, split, where
-from common.p2p_plan import P2PRecorder
+from common.kernel.p2p_plan import P2PRecorder
+from common.labs.diagnosis import close, first_difference
+from common.labs.grader import Fail, Property
+from common.labs.rank import at
+from common.labs.tools import group_of, rand, split, where
 from tensor_parallel import lab_check_extra as extra
 from tensor_parallel.lab_check_extra import CASES, _merge_case
 

@@ -4,7 +4,7 @@ You write the mechanism of the lesson's "Expert parallelism" page (expert_parall
 chapter's own). A MoE layer's E experts are split over an EP group of ep ranks: rank r holds the
 *local* experts [r·E/ep, (r+1)·E/ep) (`expert_parallel` below does the split, given); its router,
 shared expert and every other parameter are replicated. Each rank routes its own tokens
-(common.moe: `route` gives a RoutingPlan, `permute` groups the kept slots by global expert, as
+(common.kernel.moe: `route` gives a RoutingPlan, `permute` groups the kept slots by global expert, as
 rows [Σ counts, dim] and counts [E] host ints). Then, in the layer's dispatcher:
 
     exchange_counts   all-to-all of the counts: received[s][e] = rows rank s sends my local expert e
@@ -19,7 +19,7 @@ rows [Σ counts, dim] and counts [E] host ints). Then, in the layer's dispatcher
     AllToAll          autograd: the backward of an all-to-all is the all-to-all with its splits
                       swapped, so the gradient of a row goes back to the rank that sent it
 
-NCCL's rules (the grader checks your plan before it runs anything, common/a2a_plan.py): every rank
+NCCL's rules (the grader checks your plan before it runs anything, common/kernel/a2a_plan.py): every rank
 of the group posts every all-to-all, in the same order, even one by which it sends and receives
 no row (skipping it hangs the others); what rank q sends p is what p expects from q; the counts
 tensor is made on the rank's device (device=x.device) and the splits are host ints.
@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.moe import GroupedExperts, MoEFeedForward, RoutingPlan, moe_layers, permute, unpermute  # noqa: F401
+from common.kernel.moe import GroupedExperts, MoEFeedForward, RoutingPlan, moe_layers, permute, unpermute  # noqa: F401
 
 
 def expert_parallel(model: nn.Module, group, dispatcher_class) -> None:
@@ -88,7 +88,7 @@ class AllToAll(torch.autograd.Function):
 
 
 class ExpertDispatcher:
-    """The MoE layer's dispatcher seam (common/moe.py's LocalDispatcher does both on one device)
+    """The MoE layer's dispatcher seam (common/kernel/moe.py's LocalDispatcher does both on one device)
     over an EP group; dispatch and combine come in pairs within one forward."""
 
     def __init__(self, group, n_experts: int):

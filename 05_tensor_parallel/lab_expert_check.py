@@ -4,7 +4,7 @@ A float64 MoE layer (8 experts, top-2, a shared expert) runs on 4 ranks, as two 
 ({0, 1} and {2, 3}) and as one of 4, each rank routing its own 6 tokens; the routing is skewed so
 that some rank holds experts no token chooses (it receives no row, and must still post every
 exchange). First the plan: every rank's all-to-alls of a forward and backward, recorded with the
-rows not moved, checked under NCCL's rules (common/a2a_plan.py) before any real run. Then for
+rows not moved, checked under NCCL's rules (common/kernel/a2a_plan.py) before any real run. Then for
 real: the counts each rank receives, the rows each local expert receives (and their counts), the
 layer's output and input gradient on every rank, every expert's gradient (on the rank that holds
 it) and the replicated parameters', against the same layer on one device at 1e-10; and what EP is
@@ -18,14 +18,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from common.a2a_plan import A2ARecorder, a2a_errors
 from common.comm import CommMeter
-from common.diagnosis import explain, first_difference
-from common.grader import Fail, Property
-from common.lab_rank import at
-from common.lab_tools import local_rows, one_device, rand, split
-from common.model import build_model, loss_fn
-from common.moe import permute
+from common.kernel.a2a_plan import A2ARecorder, a2a_errors
+from common.kernel.model import build_model, loss_fn
+from common.kernel.moe import permute
+from common.labs.diagnosis import explain, first_difference
+from common.labs.grader import Fail, Property
+from common.labs.rank import at
+from common.labs.tools import local_rows, one_device, rand, split
 from tensor_parallel.lab_expert_hints import (
     BATCH,
     EPS,

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from common.lab_tools import rand, split
-from common.model import LlamaConfig, feed_forward, get_config
-from common.moe import route
+from common.kernel.model import LlamaConfig, feed_forward, get_config
+from common.kernel.moe import route
+from common.labs.tools import rand, split
 
 WORLD, EPS, E, T = 4, (2, 4), 8, 6
 LAYER = LlamaConfig(dim=8, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=8, n_experts=E, top_k=2,

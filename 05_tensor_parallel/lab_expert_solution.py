@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.moe import GroupedExperts, MoEFeedForward, RoutingPlan, moe_layers, permute, unpermute
+from common.kernel.moe import GroupedExperts, MoEFeedForward, RoutingPlan, moe_layers, permute, unpermute
 
 
 def expert_parallel(model: nn.Module, group, dispatcher_class) -> None:

@@ -13,8 +13,8 @@ import math
 import torch
 from torch import nn
 
-from common.diagnosis import close, first_difference, near, suspect
-from common.lab_tools import rand
+from common.labs.diagnosis import close, first_difference, near, suspect
+from common.labs.tools import rand
 
 WORLD, TPS = 4, (2, 4)  # one job of 4 ranks: TP groups {0, 1} and {2, 3}, then one group of 4
 B, T, IN, OUT = 2, 3, 8, 12

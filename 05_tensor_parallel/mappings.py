@@ -21,7 +21,7 @@ What the column layers after SP's all-gather save for backward is Megatron's cho
 gathered s tokens (b·s·h per norm, whatever t) but this rank's s/t slice, gathered again in
 backward (`gather_for_column_parallel` and `SequenceGather`; layers.py's linear).
 Every function takes the TP `group` explicitly. The gathers and reduce-scatters go through
-common/collectives.py (torch's name of the day, looked up at call time), always with SUM: never
+common/kernel/collectives.py (torch's name of the day, looked up at call time), always with SUM: never
 ReduceOp.AVG. Megatron's tensors are [s, b, h] and its sequence dim is 0; ours are [b, s, h], so
 the sequence-parallel operators take `dim` (default 1) and otherwise keep Megatron's contract.
 """
@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from common.collectives import all_gather_single, reduce_scatter_single
+from common.kernel.collectives import all_gather_single, reduce_scatter_single
 
 
 def _size(group) -> int:

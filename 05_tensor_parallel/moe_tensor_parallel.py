@@ -29,7 +29,7 @@ Bytes per MoE block and micro-batch: the dense block's (formulas.block_comm_term
 weight gradient, 2(t-1)/t · E·h·e, and under SP one all-gather fewer: the MoE layer keeps the
 s tokens it gathered (the router, the permuted rows and the shared expert read them) instead of
 gathering its s/t again in backward as the dense SwiGLU's w1/w3 do (`moe_block_extra_bytes`).
-Depends only on torch, the chapter and common/moe.py.
+Depends only on torch, the chapter and common/kernel/moe.py.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.moe import MoEAuxLossAutoScaler, MoEFeedForward, route
+from common.kernel.moe import MoEAuxLossAutoScaler, MoEFeedForward, route
 
 from .formulas import Shape
 from .mappings import (
@@ -55,7 +55,7 @@ from .sharding import TPShard, group_rank, group_size
 
 class _SwiGLU(nn.Module):
     """The shared expert's slice: W2[:, r] (silu(W1[r] x) ⊙ W3[r] x), its output a partial sum
-    (common.model.FeedForward's names, so the reference's parameter names stay)."""
+    (common.kernel.model.FeedForward's names, so the reference's parameter names stay)."""
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()

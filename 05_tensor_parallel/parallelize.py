@@ -5,9 +5,9 @@ knows nothing of parallelism; a plan says which module is cut how).
     apply_tp_plan(model, group, plan, sequence_parallel) -> {parameter name: TPShard}
 
 swaps each named module for its parallel form in place, from the full weights it holds (every rank
-the same), and keeps its name and its `forward`: common.model's Attention and FeedForward read
+the same), and keeps its name and its `forward`: common.kernel.model's Attention and FeedForward read
 head counts and widths from their weights' shapes, so the same code runs on 1/t of the heads.
-`LLAMA_TP_PLAN` is common.model's LLaMA; a model with other attribute names changes the names, not
+`LLAMA_TP_PLAN` is common.kernel.model's LLaMA; a model with other attribute names changes the names, not
 the code (Hugging Face's LlamaForCausalLM: "model.layers.*.self_attn.q_proj", …, "lm_head"). The
 styles are ours (torch's ColwiseParallel / parallelize_module work on DTensors, a different
 contract): ColumnSplit, RowSplit, VocabSplit, MappedInput, SequenceNorm; a style with an
@@ -131,8 +131,8 @@ MOE_NOT_SUPPORTED = ("a mixture-of-experts model: LLAMA_TP_PLAN has no entry for
 
 
 def parallelize_llama(model: nn.Module, tp_group, sequence_parallel: bool = False) -> dict[str, TPShard]:
-    """common.model.Llama (or a pipeline chunk of it) → its TP form by LLAMA_TP_PLAN, in place."""
-    if any(hasattr(m, "experts") for m in model.modules()):  # common.moe.MoEFeedForward
+    """common.kernel.model.Llama (or a pipeline chunk of it) → its TP form by LLAMA_TP_PLAN, in place."""
+    if any(hasattr(m, "experts") for m in model.modules()):  # common.kernel.moe.MoEFeedForward
         raise ValueError(MOE_NOT_SUPPORTED)
     return apply_tp_plan(model, tp_group, LLAMA_TP_PLAN, sequence_parallel)
 
@@ -295,7 +295,7 @@ def check_tp_sizes(tp: int, n_heads: int = 0, n_kv_heads: int = 0, hidden_dim: i
 
 def vocab_parallel_loss(head: ColumnParallelLinear, logits: torch.Tensor,
                         targets: torch.Tensor) -> torch.Tensor:
-    """common.model.loss_fn for the split logits of a vocab-parallel head (ColumnSplit(pad=True)):
+    """common.kernel.model.loss_fn for the split logits of a vocab-parallel head (ColumnSplit(pad=True)):
     the mean over every position of vocab_parallel_cross_entropy."""
     return vocab_parallel_cross_entropy(logits, targets, head.group, head.output_offset,
                                         head.out_features).mean()

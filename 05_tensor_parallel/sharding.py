@@ -1,7 +1,7 @@
 """How each parameter of a tensor-parallel module relates to the reference's full tensor, and the
 collectives that use it: cut this rank's piece from a full tensor (to materialize a model split on
 the meta device), gather the full tensor (for checks and checkpoints), and which rank counts a
-piece in the true global gradient norm (common.clip), so that every element is counted once.
+piece in the true global gradient norm (common.kernel.clip), so that every element is counted once.
 
 A `TPShard` says: the full tensor is cut along `dim` into `num_shards` equal pieces (the last one
 zero-padded to `full_size` when the size does not divide), and rank r of the TP `group` holds piece
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.collectives import all_gather_single
+from common.kernel.collectives import all_gather_single
 
 
 def group_size(group) -> int:

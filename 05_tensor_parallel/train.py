@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 
 from common.cli import ConfigError, base_parser, batch_layout, model_config, require, validate_common
-from common.clip import clip_grads_by_global_norm_
 from common.data import split_inputs_targets
 from common.dist import DistContext
+from common.kernel.clip import clip_grads_by_global_norm_
+from common.kernel.mesh import build_mesh, mesh_shape
+from common.kernel.model import build_model, initializer, materialize
+from common.kernel.optimizer_bytes import optimizer_state_bytes
 from common.memory import optimizer_state_tensors, storage_bytes
-from common.mesh import build_mesh, mesh_shape
 from common.mixed_precision import MasterWeights
-from common.model import build_model, initializer, materialize
-from common.optimizer_bytes import optimizer_state_bytes
 from common.reference import make_optimizer
 from common.run import Run, resolve_run
 from common.training import Strategy, run_main
@@ -129,7 +129,7 @@ class TensorParallelStrategy(Strategy):
     def __init__(self, run: Run, ctx: DistContext):
         cfg, self.mixed = run.model, run.mixed
         # rank = (d·cp + c)·tp + i: TP consecutive, CP the same replica d and TP index i,
-        # gradients averaged over the dp × cp ranks of TP index i (common/mesh.py)
+        # gradients averaged over the dp × cp ranks of TP index i (common/kernel/mesh.py)
         grid = build_mesh(run.mesh, ("tp", "cp", "dp_cp"))
         self.tp_group, self.cp_group, self.grad_group = grid.tp_group, grid.cp_group, grid.dp_cp_group
         self.tp, self.cp, self.dp_size = grid.tp, grid.cp, grid.dp

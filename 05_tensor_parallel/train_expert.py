@@ -26,15 +26,15 @@ import torch
 import torch.distributed as dist
 
 from common.cli import ConfigError, batch_layout, model_config, require
-from common.clip import clip_grads_by_global_norm_
-from common.collectives import all_gather_single
 from common.data import split_inputs_targets
 from common.dist import DistContext
+from common.kernel.clip import clip_grads_by_global_norm_
+from common.kernel.collectives import all_gather_single
+from common.kernel.mesh import MeshError, build_mesh, mesh_shape
+from common.kernel.model import build_model, initializer, loss_fn, materialize
+from common.kernel.optimizer_bytes import optimizer_state_bytes
 from common.memory import optimizer_state_tensors, storage_bytes
-from common.mesh import MeshError, build_mesh, mesh_shape
 from common.mixed_precision import MasterWeights
-from common.model import build_model, initializer, loss_fn, materialize
-from common.optimizer_bytes import optimizer_state_bytes
 from common.reference import make_optimizer
 from common.run import Run, resolve_run
 from common.training import Strategy
@@ -57,7 +57,7 @@ def is_expert(name: str) -> bool:
 def validate_moe(args: argparse.Namespace, world_size: int, options: object) -> Run:
     """A MoE model: --cp 1 (routing and the per-sequence aux loss need whole sequences); --tp t
     (default 1) cuts every expert, --ep (default: every data-parallel rank) divides dp = W/t and E
-    (the mesh's refusal: common/mesh.py)."""
+    (the mesh's refusal: common/kernel/mesh.py)."""
     cfg = model_config(args)
     tp, cp = args.tp or 1, args.cp
     require(cp == 1, f"--model {args.model} is a mixture-of-experts model: not --cp {cp} (routing, "

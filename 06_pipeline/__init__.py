@@ -1,8 +1,8 @@
 """Chapter 06: pipeline parallelism. GPipe, 1F1B, interleaved 1F1B and ZB-H1 as data, one executor.
 
 The core files import only torch and the common kernel (copy them out): the schedule and its
-executor = common/copy_sets.py's set (README.md's "Copy it"; + common/p2p_plan.py to replay a
-plan under NCCL's rules); the LLaMA split = stage.py + common/model.py.
+executor = common/copy_sets.py's set (README.md's "Copy it"; + common/kernel/p2p_plan.py to replay a
+plan under NCCL's rules); the LLaMA split = stage.py + common/kernel/model.py.
 
     schedules.py   make_schedule(name, p, m, v=1) -> Schedule; name in SCHEDULES =
                    ("gpipe", "1f1b", "interleaved", "zb"). Schedule.actions[rank] is the ordered
@@ -34,7 +34,7 @@ plan under NCCL's rules); the LLaMA split = stage.py + common/model.py.
                    after one synchronize when .timeline is read).
     p2p.py         the communication plan as data: segments(schedule, rank), exchanges(schedule,
                    rank) (the groups the executor posts), p2p_plan(schedule, nbytes) -> {rank:
-                   [[(kind, peer, nbytes, label), ...], ...]} for common/p2p_plan.find_deadlock.
+                   [[(kind, peer, nbytes, label), ...], ...]} for common/kernel/p2p_plan.find_deadlock.
     backward_split.py  backward_input(y, x, grad_y, params) -> (x_grad, state) and
                    backward_weight(state): zero-bubble's B and W without recomputation.
     simulator.py   simulate(schedule, costs=None) -> [Interval] with unit costs (F=1, B=2; ZB:

@@ -38,7 +38,7 @@ from torch import nn
 
 from common import bench as harness
 from common.dist import DistContext, pick_backend
-from common.model import build_model, get_config, loss_fn
+from common.kernel.model import build_model, get_config, loss_fn
 from pipeline.executor import PipelineExecutor
 from pipeline.schedules import make_schedule, schedule_error
 from pipeline.simulator import bubble_fraction, simulate

@@ -170,7 +170,7 @@ class PipelineExecutor:
                              f"a schedule of m = {m}")
         self._positions = positions
         for module in (mod for chunk in self.chunks for mod in chunk.modules()):
-            if hasattr(module, "aux_loss_scale"):  # a MoE layer's aux loss (common/moe.py): / m too
+            if hasattr(module, "aux_loss_scale"):  # a MoE layer's aux loss (common/kernel/moe.py): / m too
                 module.aux_loss_scale = 1 / m
         cuda = self._cuda_events
         self._send_works, recorded, self._timeline = [], [], []

@@ -1,10 +1,10 @@
-"""Lab 06's properties: what `make lab-check N=6` runs on your lab.py (common/grader.py runs them).
+"""Lab 06's properties: what `make lab-check N=6` runs on your lab.py (common/labs/grader.py runs them).
 
 First the pure checks, in the grader's process on what your functions return: the 1F1B order
 (every F and B once per stage, the data dependencies, at most p − r micro-batches held on rank r),
 its bubble under the chapter's unit-cost simulator, your messages, your groups (each receive
 posted before its action, each send after it). Then the chapter's PipelineExecutor runs your order
-and your groups on a small LLaMA cut into p stages: once without moving data (common.lab_rank's
+and your groups on a small LLaMA cut into p stages: once without moving data (common.labs.rank's
 record_p2p_plan), what it posted replayed under NCCL's rules at p = 2, 3, 4 and m = 4, 8, so that
 an order NCCL would hang on is reported as a deadlock before any real run; then for real on 2 and
 3 ranks, float64, two AdamW steps: the loss and every stage's gradients against one device
@@ -18,12 +18,12 @@ import torch
 import torch.distributed as dist
 
 from common.data import SyntheticTokens, split_inputs_targets
-from common.diagnosis import explain, first_difference
-from common.grader import Fail, Property
-from common.lab_rank import at
-from common.lab_tools import one_device
+from common.kernel.model import build_model, get_config, loss_fn
+from common.labs.diagnosis import explain, first_difference
+from common.labs.grader import Fail, Property
+from common.labs.rank import at
+from common.labs.tools import one_device
 from common.memory import ActivationMeter
-from common.model import build_model, get_config, loss_fn
 from common.reference import make_optimizer
 from pipeline.executor import PipelineExecutor
 from pipeline.lab_hints import as_schedule, forwards_ahead, message_error, order_error, program_error

@@ -27,7 +27,7 @@ from the neighbours it sends to, so the neighbours' groups complete together ins
 waiting for the other's next one; warm-up and cool-down move data one way and keep the plain
 pairing. That is the reason, not the proof: the proof is exhaustive, `tests/test_p2p_plan.py`
 replays every schedule × p ≤ 8 × m ≤ 16 × v ≤ 4 (524 plans) under NCCL's rules
-(common/p2p_plan.py) and finds no deadlock, with the plain pairing for interleaved (57 of 57
+(common/kernel/p2p_plan.py) and finds no deadlock, with the plain pairing for interleaved (57 of 57
 steady-state configurations deadlock) as its negative control.
 """
 
@@ -88,7 +88,7 @@ def label(message: Message) -> str:
 def p2p_plan(schedule: Schedule, nbytes: int = 1) -> dict[int, list[list[tuple[str, int, int, str]]]]:
     """Every pipeline rank's non-empty groups, in order, as (kind, peer, nbytes, label) tuples
     (peer: pipeline rank; nbytes: every message's size, 1 = count messages). This is exactly what
-    PipelineExecutor posts; common/p2p_plan.find_deadlock replays it under NCCL's rules."""
+    PipelineExecutor posts; common/kernel/p2p_plan.find_deadlock replays it under NCCL's rules."""
     plan = {}
     for rank in range(schedule.p):
         groups = []

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from common.model import LlamaConfig, rope_cos_sin
+from common.kernel.model import LlamaConfig, rope_cos_sin
 
 
 def partition_error(n_layers: int, p: int, v: int = 1, partition: Sequence[int] | None = None) -> str | None:
@@ -99,7 +99,7 @@ class LlamaChunk(nn.Module):
 
 def split_model(model: nn.Module, p: int, v: int, rank: int,
                 partition: Sequence[int] | None = None) -> list[LlamaChunk]:
-    """Rank `rank`'s chunks [stage rank, stage p + rank, …, stage (v-1)·p + rank] of common.model's
+    """Rank `rank`'s chunks [stage rank, stage p + rank, …, stage (v-1)·p + rank] of common.kernel.model's
     Llama (its cfg and its attributes tok_embeddings, layers, norm, output). The chunks share the
     model's modules; drop the model afterwards to free the other stages' layers (or split a model
     built on the meta device and materialize only the chunks: the other layers never exist)."""

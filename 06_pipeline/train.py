@@ -20,14 +20,14 @@ import torch.distributed as dist
 from torch import nn
 
 from common.cli import BatchLayout, base_parser, model_config, require, validate_common
-from common.clip import clip_grads_by_global_norm_
 from common.data import split_inputs_targets
 from common.dist import DistContext
+from common.kernel.clip import clip_grads_by_global_norm_
+from common.kernel.mesh import mesh_shape
+from common.kernel.model import build_model, initializer, loss_fn, materialize
+from common.kernel.optimizer_bytes import optimizer_state_bytes
 from common.memory import optimizer_state_tensors, storage_bytes
-from common.mesh import mesh_shape
 from common.mixed_precision import MasterWeights
-from common.model import build_model, initializer, loss_fn, materialize
-from common.optimizer_bytes import optimizer_state_bytes
 from common.reference import make_optimizer
 from common.run import Run, resolve_run
 from common.training import Strategy, run_main

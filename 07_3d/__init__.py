@@ -2,7 +2,7 @@
 dimensions) and the planner.
 
 The pieces a trainer calls (core files: torch, common's kernel, chapters 04–06 by package name):
-    (the mesh)         the kernel's common/mesh.py: build_mesh(mesh_shape(world, tp=, pp=, cp=))
+    (the mesh)         the kernel's common/kernel/mesh.py: build_mesh(mesh_shape(world, tp=, pp=, cp=))
                        -> ParallelMesh (TP innermost, then CP, DP (shard, then replicate), PP
                        outermost, EP borrowed from dp_shard × cp; .tp_group, .cp_group,
                        .dp_cp_group (FSDP's), .ep_group, .pp_group, .group(name))

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from common.mesh import Coordinates, MeshShape, ParallelMesh
-from common.model import LlamaConfig
-from common.optimizer_bytes import optimizer_state_bytes
+from common.kernel.mesh import Coordinates, MeshShape, ParallelMesh
+from common.kernel.model import LlamaConfig
+from common.kernel.optimizer_bytes import optimizer_state_bytes
 from fsdp.flat_param import UnitShard
 from fsdp.fully_sharded import FullyShardedDataParallel
 from parallel3d.memory_model import head_activation_bytes, layer_activation_bytes

@@ -29,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 
 from common import bench as harness
 from common.dist import print0
-from common.model import get_config
+from common.kernel.model import get_config
 from parallel3d.checkpoint.load import load_checkpoint
 from parallel3d.checkpoint.save import Shard, describe_shards, plan_writes, save_checkpoint
 from parallel3d.checkpoint.shard_layout import llama_3d_layout

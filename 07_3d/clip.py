@@ -8,7 +8,7 @@ Which pieces a rank counts is the ShardMap's `counted` (shards.py): FSDP shards 
 NO_SHARD unit counts on the dp × cp group's rank 0, a TP-replicated tensor (RMSNorm weights; K/V
 heads when n_kv < t) on one rank of its copies; pipeline stages hold disjoint layers. Counting a
 replica on every rank makes the norm too large (notebook section (g)); clipping by each rank's
-own norm gives each rank a different coefficient. Depends only on torch and common/clip.py.
+own norm gives each rank a different coefficient. Depends only on torch and common/kernel/clip.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from common.clip import accumulate_dtype, clip_grads_by_global_norm_
+from common.kernel.clip import accumulate_dtype, clip_grads_by_global_norm_
 from parallel3d.shards import ShardMap
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from common.exercise import attempt
-from common.model import CONFIGS
+from common.kernel.model import CONFIGS
 from parallel3d.memory_model import parameters_per_gpu
 
 # (model, tp, pp) from the simplest layout up, each with what it adds to the one before
@@ -28,7 +28,7 @@ PLANS = [
      ("llama3.1-405b", 8, 8)),
 ]
 HINTS = [
-    "One GPU holds the whole model: every tensor of common.model's Llama, with K/V width "
+    "One GPU holds the whole model: every tensor of common.kernel.model's Llama, with K/V width "
     "n_kv_heads · head_dim (GQA: smaller than dim for 70B)",
     "Right on one GPU, wrong under TP alone: which tensors does TP split, and which does every TP "
     "rank hold whole?",

@@ -10,7 +10,7 @@
            of one replica that hold the same experts) and, under HSDP, all-reduced over
            dp_replicate. Everything else is sharded over dp_shard × cp as in a dense model.
 
-EP borrows its ranks from dp_shard (common/mesh.py): an EP group is ep consecutive data-parallel
+EP borrows its ranks from dp_shard (common/kernel/mesh.py): an EP group is ep consecutive data-parallel
 ranks of one TP index, one pipeline stage and one replica. Each takes its own rows, so its
 experts see the tokens of all ep ranks, and the gradient that arrives in an expert's weights
 after backward is already a sum over the EP group:
@@ -40,10 +40,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.collectives import all_gather_single
-from common.mesh import ParallelMesh
-from common.model import Llama, initializer
-from common.moe import MoEFeedForward, moe_layers
+from common.kernel.collectives import all_gather_single
+from common.kernel.mesh import ParallelMesh
+from common.kernel.model import Llama, initializer
+from common.kernel.moe import MoEFeedForward, moe_layers
 from fsdp.fully_sharded import FullyShardedDataParallel
 from fsdp.wrap import ShardingStrategy
 from parallel3d.parallelize import Parallel3DConfig, fsdp_groups, mixed_precision, parallelize_3d

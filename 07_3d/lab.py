@@ -1,7 +1,8 @@
 """Lab 07: compose 3D parallelism from the chapters' pieces, and clip by the true global norm.
 
 You write README "The recipe" and "Clipping across three dimensions". The mesh is given
-(common/mesh.py's `build_mesh`: world = pp × dp × cp × tp, TP innermost; `mesh.pp_rank`, `mesh.tp_group`,
+(common/kernel/mesh.py's `build_mesh`: world = pp × dp × cp × tp, TP innermost; `mesh.pp_rank`,
+`mesh.tp_group`,
 `mesh.cp_group`, `mesh.dp_cp_group`, ...) and so is the plumbing (the grader runs your chunks
 with 06's PipelineExecutor, a torch optimizer and the data). Two functions are yours:
 
@@ -39,7 +40,7 @@ clip_grad_norm_3d: they are what you are writing):
 - `fsdp.FSDP(chunk, process_group=…, auto_wrap_policy=fsdp.ModuleWrapPolicy({TransformerBlock}),
   device_id=device, shard_init_fn=fn)`: fn(name, meta_param) returns that parameter's values (as
   the module holds it), called only for the parameters overlapping this rank's shard.
-  `common.model.initializer(model.cfg, seed)(name)` → the reference's full initial tensor.
+  `common.kernel.model.initializer(model.cfg, seed)(name)` → the reference's full initial tensor.
 - After backward: `chunk.shard_layout()` → one UnitShard per FSDP unit: `.flat_param` (this
   rank's shard; `.grad` its gradient) and `.params`, a ParamShard per original parameter: `.name`,
   and `flat_param[.shard_offset : .shard_offset + .numel]` holds its piece here (numel may be 0).
@@ -57,13 +58,13 @@ from __future__ import annotations
 
 import torch
 
-from common.mesh import ParallelMesh
-from common.model import Llama
+from common.kernel.mesh import ParallelMesh
+from common.kernel.model import Llama
 from fsdp import FSDP
 from tensor_parallel import TPShard
 
 # What you will import (the Tools above): torch.distributed as dist; TransformerBlock, initializer
-# from common.model; ModuleWrapPolicy from fsdp; split_model from pipeline; parallelize_llama,
+# from common.kernel.model; ModuleWrapPolicy from fsdp; split_model from pipeline; parallelize_llama,
 # apply_context_parallel, local_piece from tensor_parallel.
 
 def parallelize(model: Llama, mesh: ParallelMesh, device: torch.device, seed: int = 0,

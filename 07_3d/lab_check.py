@@ -1,4 +1,4 @@
-"""Lab 07's properties: what `make lab-check N=7` runs on your lab.py (common/grader.py runs them).
+"""Lab 07's properties: what `make lab-check N=7` runs on your lab.py (common/labs/grader.py runs them).
 
 Each property builds 07's mesh on 4 ranks (several meshes in turn, in one job), calls your
 `parallelize` on a float64 LLaMA built on the meta device and reads what every rank holds through
@@ -22,13 +22,13 @@ import torch.distributed as dist
 
 from common.comm import CommMeter
 from common.data import SyntheticTokens
-from common.diagnosis import explain, near
-from common.grader import Fail, Property
-from common.lab_rank import at
-from common.lab_tools import one_device
-from common.mesh import build_mesh, mesh_shape
-from common.model import build_model, initializer
-from common.p2p_plan import P2PRecorder
+from common.kernel.mesh import build_mesh, mesh_shape
+from common.kernel.model import build_model, initializer
+from common.kernel.p2p_plan import P2PRecorder
+from common.labs.diagnosis import explain, near
+from common.labs.grader import Fail, Property
+from common.labs.rank import at
+from common.labs.tools import one_device
 from fsdp import FSDP
 from parallel3d.lab_hints import (
     CFG,
@@ -136,7 +136,7 @@ def train_one(lab, dp: int = 1, pp: int = 1, tp: int = 1, cp: int = 1, v: int = 
     """Your composition trained `steps` SGD steps by 06's executor (1F1B; interleaved when v > 1),
     2 micro-batches of one row per DP rank; with `clip`, your clip_global_norm before each step.
     Step 1's bytes sent per group are measured (collectives: common.comm; send/recv:
-    common.p2p_plan) beside 07's formula for this rank's layout."""
+    common.kernel.p2p_plan) beside 07's formula for this rank's layout."""
     mesh, chunks, specs, coords = _build(lab, dp, pp, tp, cp, v)
     shards = shard_map(chunks, specs, mesh)
     optimizer = torch.optim.SGD([p for c in chunks for p in c.parameters()], lr=LR, foreach=False)

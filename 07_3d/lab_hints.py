@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 from common.comm import CommMeter
-from common.diagnosis import TOLERANCE, Finding, near
-from common.model import LlamaConfig, build_model
-from common.p2p_plan import P2PRecorder
+from common.kernel.model import LlamaConfig, build_model
+from common.kernel.p2p_plan import P2PRecorder
+from common.labs.diagnosis import TOLERANCE, Finding, near
 from common.reference import SCALE_FLOOR
 from fsdp import FSDP
 from parallel3d.accounting import describe_rank

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from common.mesh import ParallelMesh
-from common.model import Llama, TransformerBlock, initializer
+from common.kernel.mesh import ParallelMesh
+from common.kernel.model import Llama, TransformerBlock, initializer
 from fsdp import FSDP, ModuleWrapPolicy
 from pipeline import split_model
 from tensor_parallel import TPShard, apply_context_parallel, local_piece, parallelize_llama

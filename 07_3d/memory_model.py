@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass
 from functools import cache
 
-from common.model import LlamaConfig
+from common.kernel.model import LlamaConfig
 from tensor_parallel.formulas import Shape, layer_activation_terms, model_activation_terms
 
 GB = 1e9  # the article's (and vendors') gigabyte

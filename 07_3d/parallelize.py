@@ -17,7 +17,7 @@ travel with the batch (the executor hands them to every chunk's forward for RoPE
 Nothing is drawn before the last step: each FSDP unit generates, from the seed, the full tensors
 that overlap this rank's shard, cuts their TP piece and keeps its 1/dp. A user's own trainer:
 
-    mesh = build_mesh(mesh_shape(world_size, tp=2, pp=2))           (common/mesh.py)
+    mesh = build_mesh(mesh_shape(world_size, tp=2, pp=2))           (common/kernel/mesh.py)
     config = Parallel3DConfig(schedule="1f1b", sequence_parallel=True)
     chunks, tp_specs = parallelize_3d(build_model(cfg, device="meta"), mesh, config, device)
     shards = shard_map(chunks, tp_specs, mesh)                        (shards.py)
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from common.mesh import ParallelMesh
-from common.model import Llama, LlamaConfig, TransformerBlock, initializer
+from common.kernel.mesh import ParallelMesh
+from common.kernel.model import Llama, LlamaConfig, TransformerBlock, initializer
 from fsdp.fully_sharded import FullyShardedDataParallel
 from fsdp.wrap import HYBRID_STRATEGIES, MixedPrecision, ModuleWrapPolicy, ShardingStrategy
 from parallel3d.recompute import MODES, Recomputed, apply_recompute, unwrapped_name

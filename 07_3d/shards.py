@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from common.mesh import ParallelMesh
+from common.kernel.mesh import ParallelMesh
 from fsdp.flat_param import UnitShard
 from fsdp.fully_sharded import FullyShardedDataParallel
 from parallel3d.checkpoint.reshard import Region, copy_overlap

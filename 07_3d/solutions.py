@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from common.model import LlamaConfig
+from common.kernel.model import LlamaConfig
 
 
 def params_per_gpu(cfg: LlamaConfig, tp: int, pp: int) -> int:

@@ -48,10 +48,10 @@ from common.cli import (
 )
 from common.data import ByteCorpus
 from common.dist import DistContext
+from common.kernel.mesh import MeshError, MeshShape, build_mesh, mesh_shape
+from common.kernel.model import LlamaConfig, build_model
+from common.kernel.patch import patch_dist
 from common.memory import ActivationMeter
-from common.mesh import MeshError, MeshShape, build_mesh, mesh_shape
-from common.model import LlamaConfig, build_model
-from common.patch import patch_dist
 from common.reference import make_optimizer
 from common.run import Run, resolve_run
 from common.training import Strategy, run_main

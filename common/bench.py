@@ -34,7 +34,7 @@ from common.dist import (
     shutdown,
     synchronize,
 )
-from common.model import CONFIGS, loss_fn
+from common.kernel.model import CONFIGS, loss_fn
 
 
 def bench_parser(doc: str, *, warmup: int, steps: int) -> argparse.ArgumentParser:
@@ -150,7 +150,7 @@ def verdict(met: bool) -> str:
 def finish(result: dict | list, *holders: dict) -> None:
     """Print `result` as JSON, the last stdout line (rank 0), and destroy the process group. The
     dicts in `holders` are emptied first: a torch DDP, FSDP2 module, ZeroRedundancyOptimizer or
-    pipelining stage still alive at the destroy hangs the exit (DESIGN.md, rules of the NCCL path);
+    pipelining stage still alive at the destroy hangs the exit (CONTRIBUTING.md, rules of the NCCL path);
     the caller keeps no other reference to them."""
     for held in holders:
         held.clear()

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from common.model import CONFIGS, LlamaConfig, get_config
+from common.kernel.model import CONFIGS, LlamaConfig, get_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 

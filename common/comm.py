@@ -1,7 +1,7 @@
 """Communication meter: calls and bytes per collective, per rank, counted from outside.
 
 `with CommMeter() as meter:` wraps the functions of `torch.distributed` in counting layers
-(common/patch.py's patch_dist: they nest with any other wrapper and come off on exit, exception
+(common/kernel/patch.py's patch_dist: they nest with any other wrapper and come off on exit, exception
 or not), so the strategies' code stays plain `dist.all_reduce(...)`.
 Bytes are what this rank puts on the wire, by nccl-tests' conventions (S = the full tensor, n =
 the group size):
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from common.patch import patch_dist
+from common.kernel.patch import patch_dist
 
 
 def _nbytes(t: torch.Tensor) -> int:

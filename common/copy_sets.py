@@ -9,14 +9,14 @@ chapters it composes (COMPOSES); always from the module that defines the name
 works with an empty __init__.py. A third-party package in OPTIONAL may be imported inside the one
 function that needs it (a plot, an export format), never at the top of a file. Kernel files
 import only the standard library, torch and the kernel; a kernel file in OPTIONAL_KERNEL (the MoE
-layer) is imported inside the function that needs it where only some models use it (common/model.py
+layer) is imported inside the function that needs it where only some models use it (common/kernel/model.py
 builds a MoE block), so a dense copy leaves it out.
 
 A piece's copy set is the import closure of its entry files: every project file they import,
 and those files' imports, down to the kernel (imports under `if TYPE_CHECKING:` excluded, and
 those of an OPTIONAL_KERNEL file inside a function: the README names it for the models that need it). Copy
 each file into a folder named by its package (01_data_parallel/ddp.py → data_parallel/ddp.py,
-common/clip.py → common/clip.py), with an empty __init__.py in each folder, on your import path:
+common/kernel/clip.py → common/kernel/clip.py), with an empty __init__.py in each folder, on your import path:
 the imports then resolve as they are, with no edit. The test copies exactly that into an empty
 directory and trains with it alone, and checks the "Copy it" section of each README against
 `readme_section`: `python -m common.copy_sets --write` rewrites those sections.
@@ -33,18 +33,15 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.chapters import FOLDERS, PACKAGES
+
 ROOT = Path(__file__).resolve().parent.parent
 
-# import name → folder, read from pyproject.toml's [tool.setuptools.package-dir] (its one copy)
-PACKAGES: dict[str, str] = dict(re.findall(
-    r'^(\w+) = "([\w/]+)"$',
-    (ROOT / "pyproject.toml").read_text().split("[tool.setuptools.package-dir]")[1].split("\n[")[0],
-    re.M))
-FOLDERS = {folder: name for name, folder in PACKAGES.items()}
 
-KERNEL = ("common/clip.py", "common/collectives.py", "common/mesh.py", "common/model.py",
-          "common/moe.py", "common/optimizer_bytes.py", "common/p2p_plan.py", "common/patch.py")
-OPTIONAL_KERNEL = {"common/moe.py": "a mixture-of-experts model (n_experts > 0)"}
+# the torch-only kernel: every file of common/kernel/ (the folder is the declaration)
+KERNEL = tuple(sorted(str(p.relative_to(ROOT)) for p in (ROOT / "common/kernel").glob("*.py")
+                      if p.name != "__init__.py"))
+OPTIONAL_KERNEL = {"common/kernel/moe.py": "a mixture-of-experts model (n_experts > 0)"}
 COMPOSES = {"parallel3d": ("fsdp", "tensor_parallel", "pipeline")}
 OPTIONAL = {"matplotlib": "06's timeline plots", "safetensors": "07's Hugging Face export"}
 NOT_CORE = re.compile(  # the before-stop hook's exemption pattern
@@ -75,34 +72,36 @@ COPY_SETS: dict[str, CopySet] = {
         "03_zero/README.md", "from zero.optimizer import ZeroOptimizer",
         ("03_zero/optimizer.py",),
         ("03_zero/flat.py", "03_zero/offload.py", "03_zero/optimizer.py",
-         "03_zero/optimizer_state.py", "03_zero/sole_reducer.py", "common/clip.py", "common/collectives.py")),
+         "03_zero/optimizer_state.py", "03_zero/sole_reducer.py", "common/kernel/clip.py",
+         "common/kernel/collectives.py")),
     "FSDP": CopySet(
         "04_fsdp/README.md", "from fsdp.fully_sharded import FullyShardedDataParallel",
         ("04_fsdp/fully_sharded.py",),
         ("04_fsdp/flat_param.py", "04_fsdp/fully_sharded.py", "04_fsdp/state.py", "04_fsdp/wrap.py",
-         "common/clip.py", "common/collectives.py", "common/mesh.py")),
+         "common/kernel/clip.py", "common/kernel/collectives.py", "common/kernel/mesh.py")),
     "TP layers and plan": CopySet(
         "05_tensor_parallel/README.md",
         "from tensor_parallel.parallelize import parallelize_llama, vocab_parallel_loss",
-        ("05_tensor_parallel/parallelize.py", "common/clip.py"),  # clipping needs the global norm
+        ("05_tensor_parallel/parallelize.py", "common/kernel/clip.py"),  # clipping needs the global norm
         ("05_tensor_parallel/cross_entropy.py", "05_tensor_parallel/layers.py",
          "05_tensor_parallel/mappings.py", "05_tensor_parallel/parallelize.py",
-         "05_tensor_parallel/sharding.py", "common/clip.py", "common/collectives.py")),
+         "05_tensor_parallel/sharding.py", "common/kernel/clip.py", "common/kernel/collectives.py")),
     "ring attention": CopySet(
         "05_tensor_parallel/README.md", "from tensor_parallel.context_parallel import apply_context_parallel",
         ("05_tensor_parallel/context_parallel.py",),
         ("05_tensor_parallel/context_layout.py", "05_tensor_parallel/context_parallel.py",
-         "common/collectives.py")),
+         "common/kernel/collectives.py")),
     "pipeline schedule and executor": CopySet(
         "06_pipeline/README.md",
         "from pipeline.executor import PipelineExecutor; from pipeline.schedules import make_schedule",
-        ("06_pipeline/executor.py", "06_pipeline/schedules.py", "common/clip.py"),  # the norm over stages
+        # the norm over stages
+        ("06_pipeline/executor.py", "06_pipeline/schedules.py", "common/kernel/clip.py"),
         ("06_pipeline/backward_split.py", "06_pipeline/executor.py", "06_pipeline/p2p.py",
-         "06_pipeline/schedules.py", "06_pipeline/timeline.py", "common/clip.py")),
+         "06_pipeline/schedules.py", "06_pipeline/timeline.py", "common/kernel/clip.py")),
     "parallelize_3d": CopySet(
         "07_3d/README.md",
         "from parallel3d.parallelize import parallelize_3d; from parallel3d.clip import clip_grad_norm_3d",
-        ("07_3d/parallelize.py", "07_3d/clip.py", "common/mesh.py", "06_pipeline/executor.py"),
+        ("07_3d/parallelize.py", "07_3d/clip.py", "common/kernel/mesh.py", "06_pipeline/executor.py"),
         ("04_fsdp/flat_param.py", "04_fsdp/fully_sharded.py", "04_fsdp/state.py", "04_fsdp/wrap.py",
          "05_tensor_parallel/context_layout.py", "05_tensor_parallel/context_parallel.py",
          "05_tensor_parallel/cross_entropy.py",
@@ -111,8 +110,8 @@ COPY_SETS: dict[str, CopySet] = {
          "06_pipeline/backward_split.py", "06_pipeline/executor.py", "06_pipeline/p2p.py",
          "06_pipeline/schedules.py", "06_pipeline/stage.py", "06_pipeline/timeline.py",
          "07_3d/checkpoint/reshard.py", "07_3d/clip.py", "07_3d/parallelize.py", "07_3d/recompute.py",
-         "07_3d/shards.py", "common/clip.py", "common/collectives.py", "common/mesh.py",
-         "common/model.py")),
+         "07_3d/shards.py", "common/kernel/clip.py", "common/kernel/collectives.py", "common/kernel/mesh.py",
+         "common/kernel/model.py")),
     "checkpoint save/load": CopySet(
         "07_3d/checkpoint/README.md",
         "from parallel3d.checkpoint.save import save_checkpoint; "
@@ -212,9 +211,11 @@ def chapter_folders() -> list[str]:
 
 
 def core_files() -> list[str]:
-    """Every core file of every chapter (07's subpackages included)."""
+    """Every core file of every chapter (07's subpackages included; a chapter's figures/ is the
+    code of its pictures, not of its mechanism)."""
     return sorted(str(p.relative_to(ROOT)) for folder in chapter_folders()
-                  for p in (ROOT / folder).rglob("*.py") if not NOT_CORE.search(p.name))
+                  for p in (ROOT / folder).rglob("*.py")
+                  if not NOT_CORE.search(p.name) and "figures" not in p.relative_to(ROOT).parts)
 
 
 def violations() -> list[str]:

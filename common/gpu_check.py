@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from common.model import LlamaConfig, build_model, count_parameters, loss_fn
+from common.kernel.model import LlamaConfig, build_model, count_parameters, loss_fn
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Dense bf16 peak FLOP/s by device name (datasheet, SXM parts); `--peak-tflops` overrides.

@@ -6,7 +6,7 @@ and its arguments to every rank and gathers the results as a list indexed by ran
 raises reports its traceback (RankError); a rank that hangs (a collective waiting for a peer) or
 dies fails the call within `timeout` seconds with a message naming the ranks (RankTimeoutError),
 and the pool is torn down. Used by the test suite (tests/harness.py) and by the labs' grader
-(common/grader.py).
+(common/labs/grader.py).
 """
 
 from __future__ import annotations

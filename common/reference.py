@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from common.data import split_inputs_targets
-from common.model import LlamaConfig, build_model, loss_fn
+from common.kernel.model import LlamaConfig, build_model, loss_fn
 
 # How far a strategy may be from the reference, per dtype: TOLERANCE[dtype] in METRIC[dtype].
 # "max":    max over tensors of max |a - b| / max |b|   (float64: only the summation order differs)

@@ -4,7 +4,7 @@ strategy, the shared loop and the report read. The argparse namespace stops at v
     flags (argparse) ──validate(args, world_size)──▶ Run ──build(run, ctx)──▶ Strategy
                                                       └──train(run, ctx, strategy, chapter)──▶ report
 
-Each value is derived once, in validation: the model config, the mesh shape (common/mesh.py), the
+Each value is derived once, in validation: the model config, the mesh shape (common/kernel/mesh.py), the
 batch layout (global_batch = dp · grad_accum · micro_batch), the dtypes, and the chapter's own
 resolved options (`options`: a frozen dataclass of the chapter, e.g. 06's schedule with its
 virtual stages and partition, 03's ZeroConfig merged from the flags and a DeepSpeed file).
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from common.cli import DTYPES, BatchLayout, model_config
-from common.mesh import MeshShape
-from common.model import LlamaConfig
+from common.kernel.mesh import MeshShape
+from common.kernel.model import LlamaConfig
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,6 @@ import torch.distributed as dist
 from torch import nn
 
 from common.cli import ConfigError, exit_on_config_error
-from common.clip import clip_grads_by_global_norm_
 from common.comm import CommMeter
 from common.data import local_micro_batches, make_data, split_inputs_targets
 from common.dist import (
@@ -64,9 +63,10 @@ from common.dist import (
     shutdown,
     synchronize,
 )
+from common.kernel.clip import clip_grads_by_global_norm_
+from common.kernel.model import loss_fn
 from common.memory import ActivationMeter, CudaPeakMeter, model_state_bytes
 from common.mixed_precision import MasterWeights
-from common.model import loss_fn
 from common.profile import profiler_or_nothing
 from common.reference import LockstepReference
 from common.report import comm_convention, emit_report
@@ -101,7 +101,7 @@ class Strategy:
         detached 0-dim device tensor (no host sync), or None on a rank without one (a pipeline stage)."""
         k, losses = len(micro_batches), []
         for m in (m for m in self.model.modules() if hasattr(m, "aux_loss_scale")):
-            m.aux_loss_scale = 1 / k  # a module's own loss term (common/moe.py's aux loss) / k too
+            m.aux_loss_scale = 1 / k  # a module's own loss term (common/kernel/moe.py's aux loss) / k too
         for i, tokens in enumerate(micro_batches):
             with self.no_sync() if i < k - 1 else nullcontext():
                 loss = self.micro_batch_loss(tokens) / k
@@ -139,7 +139,7 @@ class Strategy:
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale every gradient by min(1, max_norm / ‖g‖), ‖g‖ the norm of the *whole* model's
-        gradient (common/clip.py). Default: every rank holds the whole averaged gradient of what
+        gradient (common/kernel/clip.py). Default: every rank holds the whole averaged gradient of what
         the optimizer steps, so the local norm is the global one."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         return clip_grads_by_global_norm_([p.grad for p in params], max_norm)

@@ -1,4 +1,4 @@
-"""Two NCCL rules that gloo cannot show, made checkable on CPU (test-only; DESIGN.md, "Rules of the
+"""Two NCCL rules that gloo cannot show, made checkable on CPU (test-only; CONTRIBUTING.md, "Rules of the
 NCCL path"):
 
 1. Every tensor a collective touches is on the rank's device. On CPU the rank's device IS the host,
@@ -41,7 +41,7 @@ import torch.distributed.distributed_c10d as c10d
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from common.patch import patch_dist
+from common.kernel.patch import patch_dist
 
 MARK = "_pfs_host_default"
 COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
@@ -109,7 +109,7 @@ class HostDefaultTracker(TorchFunctionMode):
 
 class CollectiveGuard:
     """Context manager: the two checks of the module doc, around torch.distributed's functions
-    (wrapped from outside with common.patch.patch_dist, like common.comm.CommMeter, so nestable
+    (wrapped from outside with common.kernel.patch.patch_dist, like common.comm.CommMeter, so nestable
     with it)."""
 
     def __init__(self, device: torch.device):

@@ -45,7 +45,7 @@ BUDGET_S: dict[str, tuple[tuple[str, ...], float]] = {
                                       "test_gpu_check.py", "test_training_loop.py",
                                       "test_construction.py", "test_copy_sets.py", "test_figures.py",
                                       "test_clip.py", "test_torch_names.py", "test_mesh.py",
-                                      "test_patch.py"), 70),
+                                      "test_patch.py", "test_floors.py"), 70),
     "01 data parallel": (("test_data_parallel*.py", "test_ddp_mechanics.py"), 25),
     "02 ring all-reduce": (("test_ring_allreduce*.py",), 45),
     "03 ZeRO": (("test_zero*.py",), 35),

@@ -13,7 +13,7 @@ the file of every project module the run imported.
 
     python tests/copy_loops.py PIECE COPY_DIR WORK_DIR   (under forkrun)
 
-The model is common/model.py's LLaMA at `tiny` with 2 layers: the copy's own when the piece's set
+The model is common/kernel/model.py's LLaMA at `tiny` with 2 layers: the copy's own when the piece's set
 holds it, else the same file copied beside the piece as `user_model` (the user's model).
 Imports at the top: the standard library and torch only.
 """
@@ -317,7 +317,8 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        M = importlib.import_module("common.model" if (Path(args.copy) / "common/model.py").exists()
+        has_kernel_model = (Path(args.copy) / "common/kernel/model.py").exists()
+        M = importlib.import_module("common.kernel.model" if has_kernel_model
                                     else "user_model")
         model = M.build_model(M.get_config("tiny", n_layers=2), seed=0, dtype=torch.float64)
         norms, params = pieces[args.piece](M, model, Reference(model, M), args)

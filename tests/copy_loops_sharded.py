@@ -30,7 +30,7 @@ from copy_loops import (
 def tensor_parallel(M, model, ref, args):
     tp = importlib.import_module("tensor_parallel.parallelize")
     gather_full = importlib.import_module("tensor_parallel.sharding").gather_full
-    clip_grads_by_global_norm_ = importlib.import_module("common.clip").clip_grads_by_global_norm_
+    clip_grads_by_global_norm_ = importlib.import_module("common.kernel.clip").clip_grads_by_global_norm_
     group = dist.group.WORLD
 
     def build(net):
@@ -113,7 +113,7 @@ class UserStage(torch.nn.Module):
 def pipeline(M, model, ref, args):
     PipelineExecutor = importlib.import_module("pipeline.executor").PipelineExecutor
     make_schedule = importlib.import_module("pipeline.schedules").make_schedule
-    clip_grads_by_global_norm_ = importlib.import_module("common.clip").clip_grads_by_global_norm_
+    clip_grads_by_global_norm_ = importlib.import_module("common.kernel.clip").clip_grads_by_global_norm_
     rank, p, m = dist.get_rank(), dist.get_world_size(), 2
     names = {id(q): n for n, q in model.named_parameters()}
     per = model.cfg.n_layers // p
@@ -145,12 +145,12 @@ def pipeline(M, model, ref, args):
 
 
 def parallel_3d(M, model, ref, args):
-    mod = {n: importlib.import_module(n) for n in ("common.mesh", "parallel3d.parallelize",
+    mod = {n: importlib.import_module(n) for n in ("common.kernel.mesh", "parallel3d.parallelize",
                                                   "parallel3d.shards", "parallel3d.clip",
                                                   "pipeline.executor", "pipeline.schedules",
                                                   "tensor_parallel.parallelize")}
     P3, device, micro, m = mod["parallel3d.parallelize"], torch.device("cpu"), 1, 2
-    mesh = mod["common.mesh"].build_mesh(mod["common.mesh"].mesh_shape(4, tp=2, pp=2))  # dp = 1
+    mesh = mod["common.kernel.mesh"].build_mesh(mod["common.kernel.mesh"].mesh_shape(4, tp=2, pp=2))  # dp = 1
 
     def build(seed: int):
         config = P3.Parallel3DConfig(schedule="1f1b", sequence_parallel=True, seed=seed)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from common.data import local_micro_batches, split_inputs_targets
-from common.model import build_model, loss_fn
+from common.kernel.model import build_model, loss_fn
 from common.reference import make_optimizer
 from data_parallel import DistributedDataParallel, NaiveDataParallel
 from tests.equivalence import RunRecord, TrainSpec

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from common.cli import DTYPES
 from common.data import SyntheticTokens
-from common.model import LlamaConfig
+from common.kernel.model import LlamaConfig
 from common.reference import (
     METRIC,
     TOLERANCE,

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common.grader import Fail, Property
-from common.lab_rank import at
+from common.labs.grader import Fail, Property
+from common.labs.rank import at
 
 ERROR_HINTS = [(("the student's own words",), "a hint of the lab's own")]
 

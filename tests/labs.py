@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from common.grader import PACKAGES, Verdict, check_name, describe, grade, lab_module, lab_path
+from common.labs.grader import PACKAGES, Verdict, check_name, describe, grade, lab_module, lab_path
 
 
 class Bug(NamedTuple):

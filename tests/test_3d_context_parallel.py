@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from common.dist import init_distributed
-from common.model import LlamaConfig
+from common.kernel.model import LlamaConfig
 from parallel3d import train as train3d
 from parallel3d.clip import clip_grad_norm_3d
 from parallel3d.comm_formulas import cp_bytes_per_step

@@ -16,8 +16,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from common.dist import init_distributed
-from common.model import LlamaConfig, get_config
-from common.moe import moe_layers
+from common.kernel.model import LlamaConfig, get_config
+from common.kernel.moe import moe_layers
 from common.training import build_and_train
 from fsdp.fully_sharded import FullyShardedDataParallel
 from parallel3d import experts

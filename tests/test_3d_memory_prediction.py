@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from common.dist import init_distributed
-from common.model import CONFIGS
+from common.kernel.model import CONFIGS
 from common.training import build_and_train
 from parallel3d import train as train3d
 from parallel3d.memory_model import Layout, activation_bytes, stage_units, state_bytes

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from common.clip import clip_grads_by_global_norm_
-from common.mesh import MeshShape, coordinates
-from common.model import build_model, get_config
+from common.kernel.clip import clip_grads_by_global_norm_
+from common.kernel.mesh import MeshShape, coordinates
+from common.kernel.model import build_model, get_config
 from parallel3d.memory_model import stage_layers
 
 # --- clipping --------------------------------------------------------------------------------

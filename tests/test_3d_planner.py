@@ -11,8 +11,8 @@ from unittest import mock
 import pytest
 import torch
 
+from common.kernel.model import CONFIGS, LlamaConfig, build_model, count_parameters, loss_fn
 from common.memory import ActivationMeter
-from common.model import CONFIGS, LlamaConfig, build_model, count_parameters, loss_fn
 from parallel3d.lr_schedule import warmup_cosine, warmup_cosine_scheduler
 from parallel3d.memory_model import (
     GB,

@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 
-from common.model import CONFIGS, build_model, count_parameters
+from common.kernel.model import CONFIGS, build_model, count_parameters
 from parallel3d.memory_model import (
     GB,
     Layout,

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from common.mesh import build_mesh, mesh_shape
-from common.model import LlamaConfig, build_model
+from common.kernel.mesh import build_mesh, mesh_shape
+from common.kernel.model import LlamaConfig, build_model
 from common.reference import TOLERANCE
 from parallel3d import (
     Parallel3DConfig,

@@ -14,7 +14,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from common.dist import init_distributed
-from common.model import LlamaConfig
+from common.kernel.model import LlamaConfig
 from parallel3d import train as train3d
 from parallel3d.accounting import activation_formula
 from parallel3d.clip import clip_grad_norm_3d

@@ -171,7 +171,7 @@ def test_guard_names_a_torch_ddp_alive_at_destroy(pools):
 def _fsdp_clip_without_gradients(norm_type: float) -> str:
     """Chapter 04's clip on ranks that hold no gradient still joins the all-reduce: its zero
     must be on the rank's device and in the gradients' dtype (float64 here)."""
-    from common.model import TransformerBlock, build_model, get_config
+    from common.kernel.model import TransformerBlock, build_model, get_config
     from fsdp import FullyShardedDataParallel, ModuleWrapPolicy
 
     model = build_model(get_config("tiny", n_layers=2), seed=0, dtype=torch.float64)

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common.model import CONFIGS, build_model, get_config
+from common.kernel.model import CONFIGS, build_model, get_config
 from parallel3d.checkpoint.export import (
     config_from_hf,
     from_hf,

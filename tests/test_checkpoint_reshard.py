@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.data import SyntheticTokens, split_inputs_targets
-from common.model import build_model, get_config, loss_fn
+from common.kernel.model import build_model, get_config, loss_fn
 from parallel3d.checkpoint import reshard
 from parallel3d.checkpoint.load import load_checkpoint
 from parallel3d.checkpoint.reshard import Region, copy_overlap, extract

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from common.cli import ConfigError
 from common.data import SyntheticTokens
 from common.dist import init_distributed
-from common.model import LlamaConfig
+from common.kernel.model import LlamaConfig
 from common.training import build_and_train, rank_micro_batches
 from parallel3d import train as train3d
 from parallel3d.checkpoint.load import read_full

@@ -1,4 +1,4 @@
-"""The kernel's clip (common/clip.py) takes gradients, so it does not carry torch's name, and a
+"""The kernel's clip (common/kernel/clip.py) takes gradients, so it does not carry torch's name, and a
 call written the torch way (parameters in) fails loudly instead of scaling the weights."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common import clip
-from common.clip import clip_grads_by_global_norm_
+from common.kernel import clip
+from common.kernel.clip import clip_grads_by_global_norm_
 
 
 def _model_with_grads(seed: int) -> torch.nn.Module:

@@ -10,12 +10,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.collectives import all_gather_single, reduce_scatter_single
 from common.comm import CommMeter
 from common.data import ByteCorpus, SyntheticTokens, local_micro_batches
 from common.dist import LaunchError, env_world_size, pick_backend
+from common.kernel.collectives import all_gather_single, reduce_scatter_single
+from common.kernel.model import get_config
 from common.memory import ActivationMeter, model_state_bytes, storage_bytes
-from common.model import get_config
 from common.reference import SCALE_FLOOR, TOLERANCE, make_reference, relative_diff
 from common.report import comm_convention, emit_report
 from common.wire import WireMeter

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from common.dist import init_distributed
-from common.model import TransformerBlock, build_model, get_config, initializer
+from common.kernel.model import TransformerBlock, build_model, get_config, initializer
 from common.reference import relative_diff
 from fsdp import FullyShardedDataParallel, ModuleWrapPolicy
 from fsdp import train as fsdp_train

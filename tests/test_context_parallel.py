@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 from common.comm import CommMeter
 from common.dist import init_distributed
+from common.kernel.model import LlamaConfig, build_model
+from common.kernel.p2p_plan import P2PRecorder, find_deadlock, normalize, plan_from_records
 from common.memory import ActivationMeter
-from common.model import LlamaConfig, build_model
-from common.p2p_plan import P2PRecorder, find_deadlock, normalize, plan_from_records
 from common.training import train
 from tensor_parallel import (
     all_gather_attention,

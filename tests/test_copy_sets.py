@@ -62,15 +62,16 @@ MOE_PIECES: tuple[str, ...] = ()  # pieces that exist for a MoE model (none is a
 
 def test_moe_stays_out_of_the_loop_the_executor_and_every_dense_copy():
     """The shared loop and the pipeline executor tell a module with its own loss term its scale
-    through the module's `aux_loss_scale`, without importing common/moe.py; common/model.py imports
+    through the module's `aux_loss_scale`, without importing common/kernel/moe.py;
+    common/kernel/model.py imports
     it only to build a MoE block; so no dense piece's copy carries it (parallelize_3d's names it
     for a MoE model). Re-adding the import anywhere on those paths turns this red."""
-    for path in ("common/training.py", "06_pipeline/executor.py", "common/model.py"):
-        assert "common/moe.py" not in copy_sets.closure((path,)), f"{path} imports common/moe.py"
+    for path in ("common/training.py", "06_pipeline/executor.py", "common/kernel/model.py"):
+        assert "common/kernel/moe.py" not in copy_sets.closure((path,)), f"{path} imports the MoE layer"
     for name, piece in COPY_SETS.items():
         if name not in MOE_PIECES:
-            assert "common/moe.py" not in piece.files + copy_sets.closure(piece.entries), name
-    assert copy_sets.optional_files(COPY_SETS["parallelize_3d"]) == ("common/moe.py",)
+            assert "common/kernel/moe.py" not in piece.files + copy_sets.closure(piece.entries), name
+    assert copy_sets.optional_files(COPY_SETS["parallelize_3d"]) == ("common/kernel/moe.py",)
 
 
 def test_each_readme_gives_its_pieces_copy_sets():
@@ -83,8 +84,8 @@ def test_each_readme_gives_its_pieces_copy_sets():
 
 def lay_out(files: tuple[str, ...], root: Path) -> Path:
     """`files` copied into `root` under their package names, an empty __init__.py in each
-    package folder; the user's (dense) model, common/model.py as `user_model`, beside them when
-    the set does not hold it (a dense model never imports common/moe.py)."""
+    package folder; the user's (dense) model, common/kernel/model.py as `user_model`, beside them when
+    the set does not hold it (a dense model never imports common/kernel/moe.py)."""
     for f in files:
         dest = root / copy_sets.copy_path(f)
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -92,8 +93,8 @@ def lay_out(files: tuple[str, ...], root: Path) -> Path:
         for folder in dest.relative_to(root).parents:
             if folder != Path("."):
                 (root / folder / "__init__.py").touch()
-    if "common/model.py" not in files:  # the user's model
-        shutil.copy(ROOT / "common/model.py", root / "user_model.py")
+    if "common/kernel/model.py" not in files:  # the user's model
+        shutil.copy(ROOT / "common/kernel/model.py", root / "user_model.py")
     return root
 
 

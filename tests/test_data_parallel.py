@@ -21,8 +21,8 @@ from common.comm import CommMeter
 from common.data import local_micro_batches, split_inputs_targets
 from common.dist import init_distributed
 from common.forkrun import torchrun_forked
-from common.model import build_model, get_config, loss_fn
-from common.patch import patch_dist
+from common.kernel.model import build_model, get_config, loss_fn
+from common.kernel.patch import patch_dist
 from common.reference import TOLERANCE
 from common.run import Run
 from common.training import build_and_train

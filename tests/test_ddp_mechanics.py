@@ -32,8 +32,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from common.comm import CommMeter
 from common.data import local_micro_batches, split_inputs_targets
 from common.dist import init_distributed
+from common.kernel.model import build_model, get_config, loss_fn
 from common.memory import storage_bytes
-from common.model import build_model, get_config, loss_fn
 from common.reference import TOLERANCE, make_optimizer
 from data_parallel import DistributedDataParallel, NaiveDataParallel, broadcast_module
 from data_parallel.train import STRATEGIES, DataParallelStrategy

@@ -15,11 +15,10 @@ from importlib import import_module
 import nbformat
 import pytest
 
+from common.chapters import CHAPTERS
 from common.notebooks import REPO_ROOT
 
-PACKAGES = {"01_data_parallel": "data_parallel", "02_ring_allreduce": "ring_allreduce", "03_zero": "zero",
-            "04_fsdp": "fsdp", "05_tensor_parallel": "tensor_parallel", "06_pipeline": "pipeline",
-            "07_3d": "parallel3d"}
+PACKAGES = {c.folder: c.package for c in CHAPTERS}
 
 
 def _exercises() -> list[tuple[str, str]]:

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.model import build_model, get_config, loss_fn
-from common.moe import set_aux_loss_scale
+from common.kernel.model import build_model, get_config, loss_fn
+from common.kernel.moe import set_aux_loss_scale
 from tensor_parallel.expert_parallel import AllToAllDispatcher, expert_parallel
 from tests.test_moe import make_layer, moe_config
 

@@ -1,4 +1,4 @@
-"""Every figure is drawn from the code it pictures (DESIGN.md, Figures; common/figures).
+"""Every figure is drawn from the code it pictures (CONTRIBUTING.md, "Figures"; common/figures).
 
 For each figure and each of its sources: replaced by a function that raises, the figure's data
 raises (its data goes through that code); replaced by one whose result is perturbed, the data
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from common import figures
-from common.figures import ROOT, Figure, all_figures, data_hash, lesson_images, stamp_of
+from common.chapters import CHAPTERS
+from common.figures import MEASURED, ROOT, Figure, all_figures, data_hash, lesson_images, stamp_of
 
 FIGURES = all_figures()
 
@@ -31,7 +31,7 @@ def replaced(monkeypatch: pytest.MonkeyPatch, target: str, make) -> None:
     module_name, name = target.split(":")
     original = getattr(importlib.import_module(module_name), name)
     new = make(original)
-    project = ("common", *figures.CHAPTER_MODULES)
+    project = ("common", *(c.package for c in CHAPTERS))
     for mod in list(sys.modules.values()):  # vars(): a lazy module's __getattr__ would import things
         if getattr(mod, "__name__", "").split(".")[0] in project and vars(mod).get(name) is original:
             monkeypatch.setattr(mod, name, new)
@@ -85,7 +85,7 @@ def test_every_image_a_lesson_shows_exists_and_every_figure_is_shown() -> None:
     unshown = [f.path for f in FIGURES if f.path not in everything]
     assert not unshown, f"figures no lesson or page shows: {unshown}"
     drawn = {f.path for f in FIGURES}
-    unknown = sorted(img for img in everything if img not in drawn and img not in figures.MEASURED)
+    unknown = sorted(img for img in everything if img not in drawn and img not in MEASURED)
     assert not unknown, (f"images shown that no figure draws and MEASURED does not list with its "
                          f"command: {unknown}")
 

@@ -18,7 +18,7 @@ from common.cli import ConfigError
 from common.comm import CommMeter
 from common.data import local_micro_batches, split_inputs_targets
 from common.dist import init_distributed
-from common.model import TransformerBlock, build_model, get_config, loss_fn
+from common.kernel.model import TransformerBlock, build_model, get_config, loss_fn
 from common.reference import TOLERANCE, ReferenceTrainer, make_reference, relative_diff
 from common.run import Run
 from fsdp import (
@@ -237,7 +237,7 @@ class Stage(nn.Module):
         self.cfg, self.blocks = cfg, nn.ModuleList(blocks)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        from common.model import rope_cos_sin
+        from common.kernel.model import rope_cos_sin
         cos, sin = rope_cos_sin(self.cfg, torch.arange(h.shape[1]), h.dtype)
         for block in self.blocks:
             h = block(h, cos, sin)

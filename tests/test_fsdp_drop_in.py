@@ -13,7 +13,7 @@ from torch import nn
 
 from common.comm import CommMeter
 from common.data import local_micro_batches, split_inputs_targets
-from common.model import RMSNorm, TransformerBlock, build_model, get_config, loss_fn
+from common.kernel.model import RMSNorm, TransformerBlock, build_model, get_config, loss_fn
 from common.reference import make_optimizer, relative_diff
 from fsdp import (
     FullyShardedDataParallel,

@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 from common.cli import ConfigError
-from common.clip import clip_grads_by_global_norm_
-from common.collectives import reduce_scatter_single
 from common.comm import CommMeter
 from common.dist import init_distributed
-from common.mesh import MeshShape, build_mesh
-from common.model import get_config
+from common.kernel.clip import clip_grads_by_global_norm_
+from common.kernel.collectives import reduce_scatter_single
+from common.kernel.mesh import MeshShape, build_mesh
+from common.kernel.model import get_config
 from fsdp import (
     FullyShardedDataParallel,
     ModuleWrapPolicy,

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from common.cli import ConfigError
-from common.model import RMSNorm, TransformerBlock, build_model, get_config, loss_fn
+from common.kernel.model import RMSNorm, TransformerBlock, build_model, get_config, loss_fn
 from common.reference import relative_diff
 from fsdp import (
     BackwardPrefetch,

@@ -7,6 +7,7 @@ import importlib
 import pytest
 import torch
 
+from common.chapters import CHAPTERS
 from common.gpu_check import (
     CHECKS,
     REPO_ROOT,
@@ -18,7 +19,7 @@ from common.gpu_check import (
     run_chapter,
     throughput,
 )
-from common.model import get_config
+from common.kernel.model import get_config
 
 
 def test_throughput_and_flop_count_on_cpu():
@@ -39,9 +40,7 @@ def test_run_chapter_reports_a_passing_check():
     assert row["precision"] == "float64" and row["cuda_peak"] is None
 
 
-PACKAGES = {"01_data_parallel": "data_parallel", "02_ring_allreduce": "ring_allreduce", "03_zero": "zero",
-            "04_fsdp": "fsdp", "05_tensor_parallel": "tensor_parallel", "06_pipeline": "pipeline",
-            "07_3d": "parallel3d"}
+PACKAGES = {c.folder: c.package for c in CHAPTERS}
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 3, 4, 8])

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from common import lab_docs
-from common.diagnosis import close, first_difference
-from common.grader import ROOT, check_name, describe, grade_module, lab_module, lab_names, main
-from common.lab_rank import trace_ops
+from common.labs import docs as lab_docs
+from common.labs.diagnosis import close, first_difference
+from common.labs.grader import ROOT, check_name, describe, grade_module, lab_module, lab_names, main
+from common.labs.rank import trace_ops
 from tests.labs import plant
 
 LAB = """
@@ -152,7 +152,7 @@ def test_every_lab_says_what_it_grades_on_one_page(chapter, lab):
     assert lab or page == lab_docs.readme(chapter), f"{page}: a chapter's main lab is graded in its README"
     assert lab_docs.current(page.read_text(encoding="utf-8"), lab) == lab_docs.expected(chapter, lab, page), (
         f"{page.relative_to(ROOT)}: its lab-graded block is not what the graders check: "
-        "python -m common.lab_docs --write")
+        "python -m common.labs.docs --write")
     compact, full = (" ".join(lab_docs.block(chapter, lab, full=f).split()) for f in (False, True))
     properties = importlib.import_module(lab_module(chapter, lab)).PROPERTIES
     for k, prop in enumerate(properties, 1):

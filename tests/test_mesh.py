@@ -1,4 +1,4 @@
-"""The kernel's mesh (common/mesh.py): the rank layout, the lines of every dimension, the refusals,
+"""The kernel's mesh (common/kernel/mesh.py): the rank layout, the lines of every dimension, the refusals,
 and the groups it builds. The chapters' hand builders it replaced are kept here as the oracle: on
 drawn shapes the mesh's lines equal theirs (04's HSDP node split, 05's TP/CP/gradient groups, 05's
 expert groups, 07's 3D mesh). EP groups are consecutive ranks: the numbers of a strided EP layout
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from common.mesh import (
+from common.kernel.mesh import (
     LINES,
     Coordinates,
     MeshError,

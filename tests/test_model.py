@@ -1,4 +1,4 @@
-"""common.model: exact shapes and counts of the real LLaMAs, and the blocks against plain math."""
+"""common.kernel.model: exact shapes and counts of the real LLaMAs, and the blocks against plain math."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common.model import (
+from common.kernel.model import (
     CONFIGS,
     Attention,
     LlamaConfig,

@@ -1,4 +1,4 @@
-"""common/moe.py, single process: the dense model unchanged, routing and gates by hand, the aux
+"""common/kernel/moe.py, single process: the dense model unchanged, routing and gates by hand, the aux
 loss by hand, dropless and capacity drops as documented, gradients to router and experts, the MoE
 layer against a per-token loop of its docstring's formulas (forward, backward, aux loss), planted
 bugs in combine and the aux loss caught, and the single-device reference training a MoE model.
@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-import common.moe
-from common.model import (
+import common.kernel.moe
+from common.kernel.model import (
     CONFIGS,
     FeedForward,
     LlamaConfig,
@@ -28,7 +28,7 @@ from common.model import (
     get_config,
     loss_fn,
 )
-from common.moe import (
+from common.kernel.moe import (
     LocalDispatcher,
     active_parameters,
     aux_loss,
@@ -246,7 +246,7 @@ def test_bad_moe_config_names_the_value(field, value, message):
 
 # --- the dense model is the model before MoE --------------------------------------------------
 
-# Recorded from common/model.py before the MoE change (commit 92e7fba), torch 2.13 CPU: tiny with
+# Recorded from common/kernel/model.py before the MoE change (commit 92e7fba), torch 2.13 CPU: tiny with
 # 2 layers, seed 3, float64; the loss and the gradients of one batch. Checked bitwise in the
 # session that added MoE; here the parameters bitwise, the loss to 1e-12 (BLAS may differ across
 # torch versions).
@@ -257,7 +257,8 @@ DENSE_LOSS, DENSE_GRAD_NORM = 5.514712709258304, 2.1234253443842594
 def test_dense_config_is_the_model_before_moe():
     cfg = get_config("tiny", n_layers=2)
     model = build_model(cfg, seed=3, dtype=torch.float64)
-    assert all(type(b.feed_forward) is FeedForward for b in model.layers) and not common.moe.moe_layers(model)
+    assert all(type(b.feed_forward) is FeedForward for b in model.layers)
+    assert not common.kernel.moe.moe_layers(model)
     digest = hashlib.sha256()
     for name, p in model.named_parameters():
         digest.update(name.encode())
@@ -305,12 +306,12 @@ def test_aux_loss_value_by_hand():
 def test_a_planted_bug_in_the_aux_loss_goes_red(monkeypatch):
     """f·P over the whole batch as one sequence (not per sequence): f = (1, 1), P = (25, 23)/48,
     aux = α, off the hand value α · 35/24 by α · 11/24 = 0.1375."""
-    per_sequence = common.moe.sequence_balance_loss
+    per_sequence = common.kernel.moe.sequence_balance_loss
 
     def batch_global(probs, experts):
         return per_sequence(probs.flatten(0, 1)[None], experts.flatten(0, 1)[None]).expand(probs.shape[0])
 
-    monkeypatch.setattr(common.moe, "sequence_balance_loss", batch_global)
+    monkeypatch.setattr(common.kernel.moe, "sequence_balance_loss", batch_global)
     assert abs(hand_aux_error() - 0.3 * 11 / 24) < 1e-15
 
 
@@ -391,7 +392,7 @@ def test_gradients_reach_the_router_and_every_used_expert():
         model = build_model(cfg, seed=0, dtype=torch.float64)
         tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
         loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-        (layer,) = common.moe.moe_layers(model)
+        (layer,) = common.kernel.moe.moe_layers(model)
         used = layer.last_tokens_per_expert > 0
         assert layer.router.weight.grad.abs().amax(1).gt(0).all()
         assert layer.shared_expert.w1.weight.grad.abs().max() > 0

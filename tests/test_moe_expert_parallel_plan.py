@@ -1,4 +1,4 @@
-"""Expert parallelism's collective plan under NCCL's rules (issue 27; CONTRIBUTING.md, "Rules of
+"""Expert parallelism's collective plan under NCCL's rules (CONTRIBUTING.md, "Rules of
 the NCCL path"), on 4 ranks with EP 2 and EP 4, forward and backward of a skewed MoE layer (every
 token on rank 0's experts: the other ranks receive no row) and of tiny-moe (2 MoE layers).
 
@@ -10,7 +10,7 @@ a tensor on the host; the checks run in the test process over all ranks' records
 3. every tensor handed to a collective is on the rank's device, made with device= (the
    host-default mark of tests/collective_guard.py), contiguous;
 4. host reads: per MoE layer forward, one read of the count exchange's result (expert_parallel.py)
-   and one of the routing counts (`permute`, common/moe.py): two syncs on a GPU; none in backward.
+   and one of the routing counts (`permute`, common/kernel/moe.py): two syncs on a GPU; none in backward.
 Planted bugs (a rank skipping an exchange it receives nothing from, a rank swapping two send
 splits, a count tensor made without device=, a debug check reading the rows on the host) go red
 with the rule's message; the first two would desynchronise real gloo, so they run with the token
@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 import tensor_parallel.expert_parallel as ep_module
-from common.model import build_model, get_config, loss_fn
-from common.moe import moe_layers
-from common.patch import patch_dist
+from common.kernel.model import build_model, get_config, loss_fn
+from common.kernel.moe import moe_layers
+from common.kernel.patch import patch_dist
 from tensor_parallel.expert_parallel import expert_parallel
 from tests.collective_guard import HostDefaultTracker, is_host_default
 from tests.test_moe import make_layer, moe_config

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from common.dist import init_distributed
-from common.model import get_config
+from common.kernel.model import get_config
 from common.training import train
 from tensor_parallel import train as tp_train
 from tensor_parallel.expert_parallel import load_imbalance
@@ -66,7 +66,7 @@ def tp_bf16_routing_differences(promote: bool) -> list[str]:
     compute copy) against the float32 routing of the same bf16 inputs and router weight: which of
     experts, kept slots, gate weights (cast to bf16) and aux loss differ. promote=False plants the
     bug: every float32 promotion dropped (the logits, gates and aux in bf16)."""
-    from common.moe import LocalDispatcher, route
+    from common.kernel.moe import LocalDispatcher, route
     from tensor_parallel.moe_tensor_parallel import TensorParallelMoE
     from tests.test_moe import make_layer, moe_config
 
@@ -92,7 +92,7 @@ def tp_bf16_routing_differences(promote: bool) -> list[str]:
 
 
 def test_experts_under_tp_route_in_float32_under_bf16(pools):
-    """05's TensorParallelMoE routes as common/moe.py's layer does: the router's logits, gates,
+    """05's TensorParallelMoE routes as common/kernel/moe.py's layer does: the router's logits, gates,
     top-k and aux loss in float32 whatever the activations' dtype; dropping the promotion is caught."""
     assert pools.run(2, tp_bf16_routing_differences, True) == [[], []]
     planted = pools.run(2, tp_bf16_routing_differences, False)

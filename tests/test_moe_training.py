@@ -1,7 +1,7 @@
 """MoE training under data parallelism (DDP, FSDP) and a pipeline equals one device (float64,
 1e-10): each micro-batch's aux-loss gradient is divided like its loss (1/k in the shared loop, 1/m
 in the pipeline executor), and the per-sequence aux loss and capacity drops are exact under
-sharding. The single-process properties of common/moe.py are in tests/test_moe.py."""
+sharding. The single-process properties of common/kernel/moe.py are in tests/test_moe.py."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 
 from common.cli import ConfigError
 from common.dist import init_distributed
-from common.model import build_model, get_config
-from common.moe import set_aux_loss_scale
+from common.kernel.model import build_model, get_config
+from common.kernel.moe import set_aux_loss_scale
 from data_parallel import train as dp_train
 from data_parallel.train import STRATEGIES, DataParallelStrategy
 from fsdp import train as fsdp_train

@@ -1,4 +1,4 @@
-"""Point-to-point plans under NCCL's rules (common/p2p_plan.py): the checker itself, chapter 06's
+"""Point-to-point plans under NCCL's rules (common/kernel/p2p_plan.py): the checker itself, chapter 06's
 plan for every schedule, the grouping it replaced as the negative control, and the groups that real
 gloo runs of 06 and 07 post, recorded and replayed with the same checker.
 
@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from common.dist import init_distributed
-from common.model import LlamaConfig, get_config
-from common.p2p_plan import P2PRecorder, PlannedOp, find_deadlock, normalize, plan_from_records
+from common.kernel.model import LlamaConfig, get_config
+from common.kernel.p2p_plan import P2PRecorder, PlannedOp, find_deadlock, normalize, plan_from_records
 from common.training import rank_micro_batches
 from parallel3d import train as train3d
 from pipeline.p2p import exchanges, p2p_plan, segments
@@ -94,7 +94,7 @@ def unlabelled(plan: dict) -> dict:
 
 
 def sends_with_next_receive(s: Schedule) -> dict[int, list[list[tuple]]]:
-    """The grouping before issue 16: action i's sends posted with action i+1's receive."""
+    """The grouping the pipeline once had: action i's sends posted with action i+1's receive."""
     plan = {}
     for rank in range(s.p):
         groups, pending = [], []

@@ -1,4 +1,4 @@
-"""common/patch.py, the one way the project wraps torch.distributed: blocks nest (the inner wraps
+"""common/kernel/patch.py, the one way the project wraps torch.distributed: blocks nest (the inner wraps
 the outer), each takes off its own layer only, even out of order, torch's function is back after
 the last one, on an exception too, and aliases are wrapped only when asked (distributed_c10d's
 isend for P2POp), so torch's internal calls are not counted twice."""
@@ -13,8 +13,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from common.comm import CommMeter
-from common.p2p_plan import P2PRecorder
-from common.patch import patch_dist
+from common.kernel.p2p_plan import P2PRecorder
+from common.kernel.patch import patch_dist
 
 TORCHS = dist.is_initialized  # a function callable without a process group
 

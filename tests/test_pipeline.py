@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from common.data import SyntheticTokens, split_inputs_targets
 from common.dist import init_distributed
+from common.kernel.model import build_model, get_config, loss_fn
 from common.memory import ActivationMeter
-from common.model import build_model, get_config, loss_fn
 from common.reference import relative_diff
 from common.training import train
 from pipeline import train as pp_train

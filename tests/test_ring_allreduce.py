@@ -28,12 +28,12 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.collectives import all_gather_single
 from common.comm import CommMeter
 from common.dist import init_distributed
 from common.forkrun import torchrun_forked
-from common.model import get_config
-from common.p2p_plan import P2PRecorder, as_op, find_deadlock, plan_from_records
+from common.kernel.collectives import all_gather_single
+from common.kernel.model import get_config
+from common.kernel.p2p_plan import P2PRecorder, as_op, find_deadlock, plan_from_records
 from common.training import build_and_train
 from ring_allreduce import bench as ring_bench
 from ring_allreduce import ring as ring_module
@@ -487,7 +487,7 @@ def test_ring_steps_figure_and_simulator_agree_on_every_copy(n):
     """The lesson's figure replays plan.ring_exchanges; the simulator plays reduce_scatter_chunks
     and all_gather_chunks on tensors: after every step, each rank's copy of each chunk sums the
     same number of ranks in both."""
-    from common.figures.ring_allreduce import ring_steps_data
+    from ring_allreduce.figures.lesson import ring_steps_data
 
     figure = ring_steps_data(n)["steps"]
     snapshots = list(simulate([torch.full((n,), float(10**r), dtype=torch.float64) for r in range(n)]))

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from common.comm import CommMeter
 from common.data import SyntheticTokens, split_inputs_targets
 from common.dist import init_distributed
+from common.kernel.model import LlamaConfig, RMSNorm, build_model, get_config
 from common.memory import ActivationMeter
-from common.model import LlamaConfig, RMSNorm, build_model, get_config
 from common.training import train
 from tensor_parallel import (
     ColumnParallelLinear,

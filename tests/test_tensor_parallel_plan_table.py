@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.model import build_model, get_config
+from common.kernel.model import build_model, get_config
 from tensor_parallel import SequenceParallelRMSNorm, apply_tp_plan
 from tensor_parallel.parallelize import plan_table
 

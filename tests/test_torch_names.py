@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from common import copy_sets
-from common.collectives import all_gather_single, reduce_scatter_single
-from common.model import RMSNorm
+from common.kernel.collectives import all_gather_single, reduce_scatter_single
+from common.kernel.model import RMSNorm
 from common.reference import relative_diff
 from data_parallel.ddp import DistributedDataParallel
 from fsdp.torch_fsdp2 import fsdp2_unavailable
@@ -76,12 +76,12 @@ def entries(prefix: str, test: str, *suffixes: str) -> dict[str, str]:
 
 
 ENTRY_POINTS: dict[str, str] = {
-    **entries("common.collectives.", COLLECTIVES, "all_gather_single", "all_gather_single(async_op)",
+    **entries("common.kernel.collectives.", COLLECTIVES, "all_gather_single", "all_gather_single(async_op)",
               "all_gather_single(group)", "all_gather_single(input_tensor)",
               "all_gather_single(output_tensor)", "reduce_scatter_single", "reduce_scatter_single(async_op)",
               "reduce_scatter_single(group)", "reduce_scatter_single(input)", "reduce_scatter_single(op)",
               "reduce_scatter_single(output)"),
-    **entries("common.model.RMSNorm", NORM, "", "(eps)", ".eps", ".forward", ".forward(x)", ".weight"),
+    **entries("common.kernel.model.RMSNorm", NORM, "", "(eps)", ".eps", ".forward", ".forward(x)", ".weight"),
     **entries("data_parallel.ddp.DistributedDataParallel", DDP, "", "(broadcast_buffers)", "(bucket_cap_mb)",
               "(device_ids)", "(find_unused_parameters)", "(gradient_as_bucket_view)", "(module)",
               "(output_device)", "(process_group)", ".broadcast_buffers", ".device",
@@ -462,15 +462,16 @@ def test_gradient_divide_factor_divides_as_torchs_fsdp2(pools):
 def test_entry_points_script_finds_a_new_torch_name(monkeypatch):
     """The enumeration's own control: a function named like torch's clip_grad_norm_ planted in a
     kernel module is found, and so is a planted override of nn.Module.state_dict."""
-    import common.clip as clip
+    import common.kernel.clip as clip
 
-    def clip_grad_norm_(parameters, max_norm):  # the name the kernel's clip gave up (issue 32)
+    def clip_grad_norm_(parameters, max_norm):  # the name the kernel's clip gave up (it now takes gradients)
         return None
 
     clip_grad_norm_.__module__ = clip.__name__
     monkeypatch.setattr(clip, "clip_grad_norm_", clip_grad_norm_, raising=False)
     monkeypatch.setattr(RMSNorm, "state_dict", lambda self, *a, **k: {}, raising=False)
     found = torch_named_entry_points()
-    assert "common.clip.clip_grad_norm_" in found and "common.clip.clip_grad_norm_(max_norm)" in found
-    assert "common.model.RMSNorm.state_dict" in found
+    assert "common.kernel.clip.clip_grad_norm_" in found
+    assert "common.kernel.clip.clip_grad_norm_(max_norm)" in found
+    assert "common.kernel.model.RMSNorm.state_dict" in found
     assert Path(__file__).name == "test_torch_names.py"

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 import data_parallel.train as dp_train
 from common.data import SyntheticTokens
 from common.dist import init_distributed
+from common.kernel.mesh import MeshShape
+from common.kernel.model import get_config
 from common.memory import CudaPeakMeter
-from common.mesh import MeshShape
-from common.model import get_config
 from common.profile import WINDOW_PREFIXES, load_events, rank_lanes
 from common.run import Run
 from common.training import build_and_train, measure_activations, rank_micro_batches
@@ -205,7 +205,7 @@ TWO_MICRO = ["--global-batch", "4", "--grad-accum", "2"]
                           "--microbatches", "4"]),
 ])
 def test_forward_backward_reads_no_value_to_the_host(pools, module, argv):
-    """§5 of issue 16: `.item()` per micro-batch, or a data-dependent branch (`.any()` in the
+    """The hot-path rule: `.item()` per micro-batch, or a data-dependent branch (`.any()` in the
     vocab-parallel loss), is a host sync on a GPU; the loss comes back as a device tensor."""
     results = pools.run(2, forward_backward_reads, module, argv)
     assert [reads for reads, _ in results] == [Counter(), Counter()]

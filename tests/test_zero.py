@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from common.comm import CommMeter
 from common.dist import init_distributed
 from common.forkrun import torchrun_forked
-from common.model import TransformerBlock, build_model, get_config
-from common.patch import patch_dist
+from common.kernel.model import TransformerBlock, build_model, get_config
+from common.kernel.patch import patch_dist
 from common.run import Run
 from common.training import rank_micro_batches, train
 from tests.equivalence import (

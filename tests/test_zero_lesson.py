@@ -8,7 +8,7 @@ import re
 import pytest
 
 from common.figures import ROOT
-from common.model import build_model, count_parameters, get_config
+from common.kernel.model import build_model, count_parameters, get_config
 from zero.accounting import paper_table
 from zero.flat import padded_size
 

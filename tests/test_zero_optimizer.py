@@ -293,7 +293,7 @@ PLAIN_CLIP = 1.0  # nanoGPT's; the targets are scaled so that every step's norm 
 
 
 class GradNoneAfterBackward(ZeroOptimizer):
-    """Negative control, the behaviour issue 24 found: p.grad None after backward, so torch's
+    """Negative control, the behaviour a user once met: p.grad None after backward, so torch's
     clip_grad_norm_(model.parameters()) sees no gradient and silently clips nothing."""
 
     def ensure_end_of_backward_callback(self) -> None:

@@ -9,7 +9,7 @@ save.py, load.py, state.py and reshard.py):
     shard_layout.py   the region of each LLaMA tensor a rank of a dp × pp × tp mesh holds
     trainer.py        save/load a TrainerState (the 3D trainer's ShardMap, optimizer, scheduler,
                       RNG); its flags are 07_3d/train.py's
-    export.py         `python -m parallel3d.checkpoint.export DIR --out FILE [--hf]` (common/model.py;
+    export.py         `python -m parallel3d.checkpoint.export DIR --out FILE [--hf]` (common/kernel/model.py;
                       safetensors for --hf, imported where it is used)
 """
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from common.model import LlamaConfig, get_config
+from common.kernel.model import LlamaConfig, get_config
 from parallel3d.checkpoint.load import read_full
 from parallel3d.checkpoint.save import CheckpointError
 from parallel3d.checkpoint.state import OPTIM

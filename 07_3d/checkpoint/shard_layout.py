@@ -29,7 +29,7 @@ ROW = ("attention.wo.weight", "feed_forward.w2.weight")
 
 
 def llama_shapes(cfg) -> dict[str, tuple[int, ...]]:
-    """The reference model's parameter names and shapes (common.model.Llama), in module order."""
+    """The reference model's parameter names and shapes (common.kernel.model.Llama), in module order."""
     hd = cfg.dim // cfg.n_heads
     block = {"attention_norm.weight": (cfg.dim,),
              "attention.wq.weight": (cfg.n_heads * hd, cfg.dim),

@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass, fields
 from functools import cache
 
-from common.model import LlamaConfig
+from common.kernel.model import LlamaConfig
 from parallel3d.memory_model import (
     ACT_BYTES,
     PRECISIONS,
@@ -47,7 +47,7 @@ from parallel3d.memory_model import (
 
 @dataclass(frozen=True)
 class MoEShape:
-    """The MoE fields the planner needs, with LlamaConfig's names (common/model.py)."""
+    """The MoE fields the planner needs, with LlamaConfig's names (common/kernel/model.py)."""
     n_experts: int
     top_k: int
     moe_hidden_dim: int          # F_e: each expert's SwiGLU width

@@ -30,7 +30,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from common.model import CONFIGS, LlamaConfig
+from common.kernel.model import CONFIGS, LlamaConfig
 from parallel3d.memory_model import (
     ACT_BYTES,
     GB,
@@ -63,7 +63,7 @@ PLANNING_SHAPES: dict[str, LlamaConfig] = {
                                     vocab_size=32000, multiple_of=4096, max_seq_len=4096),
 }
 MODELS = {name: cfg for name, cfg in {**CONFIGS, **PLANNING_SHAPES}.items() if moe_shape(cfg) is None}
-# Mixture-of-experts models: common/model.py's configs with MoE fields, read by `moe_shape` (the
+# Mixture-of-experts models: common/kernel/model.py's configs with MoE fields, read by `moe_shape` (the
 # dense parts stay a LlamaConfig, the experts a MoEShape): Mixtral 8x7B (46.7B parameters, 12.9B
 # active) and DeepSeek-V3 with its MLA (671.0B, 37.6B active; the report: 671B and 37B).
 MOE_MODELS: dict[str, tuple[LlamaConfig, MoEShape]] = {

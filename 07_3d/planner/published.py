@@ -18,7 +18,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.model import LlamaConfig
+from common.kernel.model import LlamaConfig
 from parallel3d.memory_model import Layout, total_parameters
 from parallel3d.planner.hardware import gpu
 from parallel3d.planner.moe import MoEShape

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.model import LlamaConfig
+from common.kernel.model import LlamaConfig
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ TORCHTITAN_DOCS = Source(
 DEEPSEEK_V3 = Source(
     "DeepSeek-AI, DeepSeek-V3 Technical Report", 2024,
     "README (2.664M H800 GPU hours for pre-training on 14.8T tokens); report section 3.2 (PP 16, "
-    "EP 64 over 8 nodes, ZeRO-1 DP, no TP, DualPipe; confirmed in deepseek-ai/DeepEP issue #101) "
+    "EP 64 over 8 nodes, ZeRO-1 DP, no TP, DualPipe; confirmed in deepseek-ai/DeepEP's issue tracker) "
     "and 4.2 (sequence 4K, batch 3072 → 15360 sequences)",
     "https://arxiv.org/abs/2412.19437")
 

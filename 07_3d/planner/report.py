@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from common.model import LlamaConfig
+from common.kernel.model import LlamaConfig
 from parallel3d.memory_model import GB, Layout, memory_per_gpu, total_parameters
 from parallel3d.planner.hardware import gpu
 from parallel3d.planner.moe import moe_parameters

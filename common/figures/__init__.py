@@ -1,4 +1,4 @@
-"""Every figure of the course, drawn by code from what the code runs (DESIGN.md, Figures).
+"""Every figure of the course, drawn by code from what the code runs (CONTRIBUTING.md, "Figures").
 
 A `Figure` is data plus a drawing. `data(**sizes)` calls the code path the figure pictures (the
 ring's recorded P2P plan, a pipeline's schedule data, ZeRO's flat-buffer partition, the TP plan
@@ -15,9 +15,10 @@ that changes that function's result. tests/test_figures.py holds every figure to
   - every image a lesson or page shows exists, and every figure is shown by one.
 
 `make figures` (python -m common.figures) writes them all; `show("ring_steps", n=8)` draws one
-with other sizes in a notebook. The chapters' figures live in common/figures/<package>.py, one
-module per chapter named like its package (more than one where a chapter's pages need it, e.g.
-planner.py), each with a list FIGURES; draw.py holds what they share.
+with other sizes in a notebook. Each chapter owns the code of its pictures: its package's
+`figures` (e.g. 02_ring_allreduce/figures/, beside the images it writes) lists them in FIGURES.
+This package is the drawing kernel they share (Figure, Source, draw.py, the stamp); it finds the
+chapters' figures by name through common.chapters and never imports a chapter.
 """
 
 from __future__ import annotations
@@ -32,9 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-CHAPTER_MODULES = ("data_parallel", "ring_allreduce", "zero", "fsdp", "tensor_parallel", "pipeline",
-                   "parallel3d")  # the chapters' packages, in course order
+from common.chapters import CHAPTERS, ROOT
+
 STAMP = "pfs-figure-data sha256 "
 
 
@@ -84,19 +84,16 @@ def data_hash(data: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def figure_modules() -> list[str]:
-    """The modules of this package that hold figures, in course order (chapter modules first)."""
-    import pkgutil
-
-    found = {m.name for m in pkgutil.iter_modules(__path__) if m.name not in ("draw", "__main__")}
-    return [*(m for m in CHAPTER_MODULES if m in found), *sorted(found - set(CHAPTER_MODULES))]
+def figure_packages() -> list[str]:
+    """The packages that hold figures, in course order: each chapter's `<package>.figures`."""
+    return [f"{c.package}.figures" for c in CHAPTERS if (c.path / "figures" / "__init__.py").exists()]
 
 
 def all_figures() -> list[Figure]:
     """Every figure of the course, in course order."""
     out: list[Figure] = []
-    for module in figure_modules():
-        out.extend(importlib.import_module(f"common.figures.{module}").FIGURES)
+    for package in figure_packages():
+        out.extend(importlib.import_module(package).FIGURES)
     names = [f.name for f in out]
     if len(set(names)) != len(names):
         raise ValueError(f"figure names must be unique: {sorted(n for n in names if names.count(n) > 1)}")

@@ -8,12 +8,10 @@ contiguous boxes by `Region.runs`; what a rank of the new mesh reads is every sa
 
 from __future__ import annotations
 
-from common.model import CONFIGS
+from common.figures import Figure, Source, draw
+from common.kernel.model import CONFIGS
 from parallel3d.checkpoint.reshard import overlap_numel
 from parallel3d.checkpoint.shard_layout import llama_shapes, mesh_regions
-
-from . import draw
-from .__init__ import Figure, Source
 
 
 def boxes(region) -> list[list[int]]:

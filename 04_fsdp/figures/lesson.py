@@ -14,8 +14,9 @@ from functools import partial
 
 from matplotlib.patches import Rectangle
 
-from common.mesh import MeshShape, group_ranks
-from common.model import RMSNorm, TransformerBlock, build_model, get_config, loss_fn
+from common.figures import Figure, Source, draw
+from common.kernel.mesh import MeshShape, group_ranks
+from common.kernel.model import RMSNorm, TransformerBlock, build_model, get_config, loss_fn
 from fsdp.formulas import UnitTraffic, network_bytes, unit_comm_bytes_by_group
 from fsdp.wrap import (
     ShardingStrategy,
@@ -24,9 +25,6 @@ from fsdp.wrap import (
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
 )
-
-from . import draw
-from .__init__ import Figure, Source
 
 # --- running a few steps on forked ranks ----------------------------------------------------------
 
@@ -308,7 +306,7 @@ def never_descend(answer: bool) -> bool:
 
 def hsdp_data(s: int = 8, r: int = 2, micro_batches: int = 1,
               nodes: tuple[int, ...] = (2, 4, 8, 16, 64)) -> dict:
-    """HSDP's groups on r nodes of s GPUs, from the mesh (common.mesh: dp_shard lines shard,
+    """HSDP's groups on r nodes of s GPUs, from the mesh (common.kernel.mesh: dp_shard lines shard,
     dp_replicate lines all-reduce), and per node and step, bytes over the network for FULL_SHARD
     (one ring over s·r ranks) and HYBRID_SHARD (shard in the node, all-reduce across), in units of
     P·b (`network_bytes`, one unit of P elements, b_p = b_r), for each number of nodes."""
@@ -406,7 +404,7 @@ FIGURES = [
            alt="tiny's parameters coloured by the unit that owns them under four auto-wrap policies"),
     Figure(name="hsdp_network", path="04_fsdp/figures/hsdp_network.svg", data=hsdp_data, draw=hsdp_draw,
            sizes={"s": 8, "r": 2},
-           sources=(Source("common.mesh:group_ranks", perturb=shard_across_nodes),
+           sources=(Source("common.kernel.mesh:group_ranks", perturb=shard_across_nodes),
                     Source("fsdp.formulas:network_bytes",
                            perturb=lambda d: {**d, "network_reduce": 8 * d["network_reduce"]}),
                     Source("fsdp.formulas:unit_comm_bytes_by_group", perturb=lambda t: (t[0], 2 * t[1]))),

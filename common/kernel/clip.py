@@ -17,7 +17,7 @@ norm too large by up to sqrt(t)).
 
 This is the course's one clipping function: each chapter's step chooses `counted` and `groups`
 and calls it. It imports only torch, so a chapter's core file that uses it stays copyable as
-"the file + common/clip.py".
+"the file + common/kernel/clip.py".
 
 It takes *gradients*, not parameters, so it does not carry torch's name: torch's
 `clip_grad_norm_(model.parameters(), max_norm)` reads each `p.grad`, and a function of that name

@@ -55,7 +55,7 @@ def _push(block: object, name: str, wrap: Wrapper, modules: list[object]) -> Non
         key = (module, name)
         if key in _LAYERS and getattr(module, name) is not _LAYERS[key][-1][2]:
             raise RuntimeError(f"{getattr(module, '__name__', module)}.{name} was replaced by hand inside a "
-                               "patch_dist block: wrap it with common.patch.patch_dist, which nests")
+                               "patch_dist block: wrap it with common.kernel.patch.patch_dist, which nests")
         inner = _top(module, name)
         _ORIGINAL.setdefault(key, inner)
         if id(inner) not in made:

@@ -4,13 +4,11 @@ config's knobs as zero.config reads them. Single process, the model on the meta 
 
 from __future__ import annotations
 
-from common.model import build_model, get_config
+from common.figures import ROOT, Figure, Source, draw
+from common.kernel.model import build_model, get_config
 from zero.accounting import comm_formula, memory_formula
 from zero.config import load_config, optimizer_arguments
 from zero.flat import assign_buckets, make_groups, module_units
-
-from . import draw
-from .__init__ import ROOT, Figure, Source
 
 KINDS = ("params", "grads", "optimizer")
 KIND_LABEL = {"params": "params", "grads": "grads", "optimizer": "optimizer state"}

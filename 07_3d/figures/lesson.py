@@ -1,6 +1,6 @@
 """Chapter 07's figures: the mesh's groups, one rank's 3D step, and recomputation's trade.
 
-The mesh is `common.mesh.group_ranks` (the lines `build_mesh` makes groups of) placed by
+The mesh is `common.kernel.mesh.group_ranks` (the lines `build_mesh` makes groups of) placed by
 `coordinates`; one 3D step composes the pipeline's action list (06: `make_schedule`, `simulate`,
 `p2p.exchanges`) with what runs inside each action: TP's collectives per block (05:
 `block_comm_bytes`, counted in collectives), context parallelism's ring steps (05:
@@ -16,9 +16,10 @@ import math
 
 import torch
 
+from common.figures import Figure, Source, draw
+from common.kernel.mesh import MeshShape, coordinates, group_ranks
+from common.kernel.model import CONFIGS, LlamaConfig, build_model, loss_fn
 from common.memory import ActivationMeter
-from common.mesh import MeshShape, coordinates, group_ranks
-from common.model import CONFIGS, LlamaConfig, build_model, loss_fn
 from parallel3d import memory_model
 from parallel3d.comm_formulas import fsdp_gathers
 from parallel3d.memory_model import head_activation_bytes, layer_activation_bytes
@@ -30,9 +31,6 @@ from pipeline.simulator import simulate
 from pipeline.stage import layer_partition
 from tensor_parallel.context_layout import ring_exchanges
 from tensor_parallel.formulas import Shape, block_comm_bytes
-
-from . import draw
-from .__init__ import Figure, Source
 
 DIM_COLORS = {"tp": "#0072B2", "cp": "#CC79A7", "dp": "#009E73", "dp_cp": "#009E73", "pp": "#D55E00"}
 DIM_TEXT = {"tp": "TP: all-reduce in every block (NVLink, inside a node)",
@@ -335,12 +333,12 @@ def dp_and_tp_swapped(at):
 FIGURES = [
     Figure(name="mesh_groups", path="07_3d/figures/mesh_groups.svg", data=mesh_data, draw=mesh_draw,
            sizes={"dp": 2, "pp": 2, "tp": 2, "cp": 1},
-           sources=(Source("common.mesh:group_ranks", tp_outermost),
-                    Source("common.mesh:coordinates", dp_and_tp_swapped)),
+           sources=(Source("common.kernel.mesh:group_ranks", tp_outermost),
+                    Source("common.kernel.mesh:coordinates", dp_and_tp_swapped)),
            alt="the 3D mesh's TP, DP and PP groups, from group_ranks"),
     Figure(name="step_3d", path="07_3d/figures/step_3d.svg", data=step_data, draw=step_draw,
            sizes={"dp": 2, "pp": 2, "tp": 2, "cp": 1, "rank": 0, "schedule": "1f1b", "m": 4, "model": "tiny"},
-           sources=(Source("common.mesh:group_ranks", tp_outermost),
+           sources=(Source("common.kernel.mesh:group_ranks", tp_outermost),
                     Source("pipeline.schedules:make_schedule", lambda s: gpipe(s.p, s.m)),
                     Source("pipeline.p2p:exchanges", lambda ex: [p2p.Exchange((), e.recvs) for e in ex]),
                     Source("tensor_parallel.formulas:block_comm_bytes",

@@ -4,7 +4,7 @@ Every timeline here is `simulator.simulate` run on `schedules.make_schedule`'s l
 `PipelineExecutor` executes; the bubble is `simulator.bubble_fraction` of that timeline beside
 `closed_form_bubble`; the activations held are counted over the same lists
 (`schedules.peak_in_flight`); the messages are `p2p.exchanges`, the groups the executor posts,
-replayed by `common.p2p_plan.find_deadlock` under NCCL's rules.
+replayed by `common.kernel.p2p_plan.find_deadlock` under NCCL's rules.
 """
 
 from __future__ import annotations
@@ -15,13 +15,11 @@ from fractions import Fraction
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from common.p2p_plan import find_deadlock
+from common.figures import Figure, Source, draw
+from common.kernel.p2p_plan import find_deadlock
 from pipeline import p2p, simulator
 from pipeline.schedules import make_schedule, peak_in_flight
 from pipeline.simulator import bubble_fraction, closed_form_bubble, simulate
-
-from . import draw
-from .__init__ import Figure, Source
 
 # The chapter's four schedules: (name, virtual stages, title).
 SCHEDULES = (("gpipe", 1, "GPipe"), ("1f1b", 1, "1F1B"), ("interleaved", 2, "interleaved 1F1B, v = 2"),
@@ -357,7 +355,7 @@ FIGURES = [
     Figure(name="pipeline_p2p", path="06_pipeline/figures/pipeline_p2p.svg",
            data=p2p_data, draw=p2p_draw, sizes={"schedule": "1f1b", "p": 3, "m": 4, "v": 1},
            sources=(Source("pipeline.p2p:exchanges", sends_one_group_late),
-                    Source("common.p2p_plan:find_deadlock", lambda d: "stuck" if d is None else None),
+                    Source("common.kernel.p2p_plan:find_deadlock", lambda d: "stuck" if d is None else None),
                     Source("pipeline.simulator:simulate", rank0_late)),
            alt="each rank's batch_isend_irecv groups between its actions, every message to its match"),
     Figure(name="zero_bubble", path="06_pipeline/figures/zero_bubble.svg",

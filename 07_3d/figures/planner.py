@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from common.figures import Figure, Source, draw
 from parallel3d.planner import published
-
-from . import draw
-from .__init__ import Figure, Source
 
 SOURCE_COLORS = {"Narayanan": 0, "NVIDIA": 1, "Llama": 2, "TorchTitan": 3, "DeepSeek-AI": 5}
 

@@ -10,6 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from common.figures import Figure, Source, draw
 from tensor_parallel.context_layout import (
     attention_work,
     block_pairs,
@@ -18,9 +19,6 @@ from tensor_parallel.context_layout import (
     shard_sequence,
 )
 from tensor_parallel.context_parallel import ring_step
-
-from . import draw
-from .__init__ import Figure, Source
 
 # --- the layouts -----------------------------------------------------------------------------------
 

@@ -11,13 +11,11 @@ import math
 
 import torch
 
-from common.model import build_model, get_config
+from common.figures import Figure, Source, draw
+from common.kernel.model import build_model, get_config
 from tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from tensor_parallel.formulas import Shape, layer_activation_terms
 from tensor_parallel.parallelize import plan_table
-
-from . import draw
-from .__init__ import Figure, Source
 
 
 def _table(model: str, t: int, sp: bool = False, **overrides) -> list[dict]:

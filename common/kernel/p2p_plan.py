@@ -28,7 +28,7 @@ from functools import partial
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from common.patch import patch_dist
+from common.kernel.patch import patch_dist
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ class P2PRecorder:
     groups posted on the process group whose global ranks are `ranks`, each a tuple of PlannedOp
     with global peer ranks (P2POp's `peer` and isend's `dst` are global in torch 2.6+) and bytes.
     A context manager around `dist.batch_isend_irecv`, `dist.isend` and `dist.irecv` (wrapping
-    from outside with common/patch.py's patch_dist, like the comm meter; nestable with it)."""
+    from outside with common/kernel/patch.py's patch_dist, like the comm meter; nestable with it)."""
 
     def __init__(self) -> None:
         self.groups: dict[tuple[int, ...], list[tuple[PlannedOp, ...]]] = defaultdict(list)

@@ -1,5 +1,5 @@
 """Tools for a lab's properties, shared so that each chapter's check module reads as its list of
-properties (common/grader.py runs them).
+properties (common/labs/grader.py runs them).
 
 On the ranks: seeded tensors every rank and the grader draw alike (`rand`), the world cut into
 process groups other than the world (`split`: a lab's `group=` argument must be used), every
@@ -24,8 +24,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from common.data import SyntheticTokens, local_micro_batches, split_inputs_targets
-from common.model import LlamaConfig
-from common.patch import patch_dist
+from common.kernel.model import LlamaConfig
+from common.kernel.patch import patch_dist
 from common.reference import make_reference
 
 # --- on the ranks ------------------------------------------------------------------------------
@@ -127,7 +127,7 @@ class Posted:
 @contextmanager
 def collectives(*modules) -> Iterator[list[Posted]]:
     """The collectives posted inside, in order (the outermost call only: an old name that calls
-    the new one counts once), wrapped by common.patch.patch_dist on torch.distributed, its
+    the new one counts once), wrapped by common.kernel.patch.patch_dist on torch.distributed, its
     distributed_c10d aliases and `modules` where they hold torch.distributed's own functions."""
     posted: list[Posted] = []
     depth = [0]

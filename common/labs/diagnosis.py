@@ -167,7 +167,7 @@ def uneven_pattern(failing: list[tuple[int, int]], passing: list[tuple[int, int]
     return ""
 
 
-# An exception a rank raised (common/lab_rank.py records it): the usual cause by its words.
+# An exception a rank raised (common/labs/rank.py records it): the usual cause by its words.
 ERRORS = [
     (("size mismatch", "shapes cannot be multiplied", "must match the size", "doesn't match the broadcast",
       "shape '", "invalid for input of size", "expected input with shape"),

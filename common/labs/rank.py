@@ -2,7 +2,7 @@
 send/recv traced before it runs, point-to-point code run without moving data to record its plan,
 and any exception turned into a record the grader reports.
 
-`_on_rank` is what common/grader.py sends to every rank of a job for one property. A property's
+`_on_rank` is what common/labs/grader.py sends to every rank of a job for one property. A property's
 `run` marks where it is with `at(step=…, phase=…)`; when anything raises on a rank (the student's
 code, or the grader reading what it returned), the rank writes what raised, where (that mark, the
 innermost frame in the lab file and the innermost frame overall) to `error<rank>` in the job's
@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from common.p2p_plan import P2PRecorder
-from common.patch import patch_dist
+from common.kernel.p2p_plan import P2PRecorder
+from common.kernel.patch import patch_dist
 
 TRACED = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
           "reduce_scatter_single", "all_to_all_single", "broadcast", "barrier", "all_gather",

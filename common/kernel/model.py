@@ -5,7 +5,7 @@
 
 Attention is causal grouped-query attention (n_kv_heads ≤ n_heads, each K/V head shared by
 n_heads / n_kv_heads query heads) with rotary position embeddings on Q and K. With n_experts > 0
-the SwiGLU of every block from `first_dense_layers` on is a mixture of experts (common/moe.py:
+the SwiGLU of every block from `first_dense_layers` on is a mixture of experts (common/kernel/moe.py:
 top-k routing, an optional shared expert, the load-balancing loss, capacity; the dispatcher seam
 that expert parallelism replaces); n_experts = 0 is the dense model, unchanged. Every parallel
 strategy in the course wraps or re-shards *this* model, so the single-device reference and the
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-GATES = ("softmax", "sigmoid")  # a MoE router's gates (common/moe.py's route)
+GATES = ("softmax", "sigmoid")  # a MoE router's gates (common/kernel/moe.py's route)
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class LlamaConfig:
     # LLaMA 3.1 stretches long wavelengths: (factor, low_freq_factor, high_freq_factor, original_ctx)
     rope_scaling: tuple[float, float, float, int] | None = None
     max_seq_len: int = 2048
-    # Mixture of experts (common/moe.py); n_experts = 0: the dense LLaMA, and the rest is unused.
+    # Mixture of experts (common/kernel/moe.py); n_experts = 0: the dense LLaMA, and the rest is unused.
     n_experts: int = 0
     top_k: int = 2
     n_shared_experts: int = 0  # 0 or 1: an always-on SwiGLU of width moe_hidden_dim beside them
@@ -260,7 +260,9 @@ def feed_forward(cfg: LlamaConfig, layer_id: int) -> nn.Module:
     """Layer `layer_id`'s SwiGLU: dense (FeedForward), or MoEFeedForward from first_dense_layers on."""
     if not cfg.is_moe_layer(layer_id):
         return FeedForward(cfg.dim, cfg.hidden_dim)
-    from common.moe import MoEFeedForward  # only a MoE model needs common/moe.py (a dense copy: not)
+    from common.kernel.moe import (
+        MoEFeedForward,  # only a MoE model needs common/kernel/moe.py (a dense copy: not)
+    )
 
     shared = FeedForward(cfg.dim, cfg.expert_hidden_dim) if cfg.n_shared_experts else None
     return MoEFeedForward(cfg.dim, cfg.expert_hidden_dim, cfg.n_experts, cfg.top_k, cfg.gate,
@@ -289,7 +291,7 @@ class Llama(nn.Module):
         super().__init__()
         if cfg.mla:
             raise ValueError("multi-head latent attention (kv_lora_rank > 0) is a shape for the planner "
-                             "(parallel3d.planner) to price; common.model builds grouped-query attention")
+                             "(parallel3d.planner) to price; this model builds grouped-query attention")
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))

@@ -3,7 +3,7 @@
     make lab-check N=1                    # grade 01_data_parallel/lab.py (the file you edit)
     make lab-check N=1 SOLUTION=1         # grade the reference, lab_solution.py: the grader is fair
     make lab-check N=5 LAB=expert         # a chapter's other lab: lab_expert.py, lab_expert_check.py
-    python -m common.grader 1 --file my_ddp.py --only no_sync
+    python -m common.labs.grader 1 --file my_ddp.py --only no_sync
 
 A lab's check module (`lab_check.py`, `lab_<name>_check.py`) lists its PROPERTIES. A property
 runs a function on every rank of a gloo job (forked, ~0.1 s) with the student's module loaded
@@ -20,9 +20,9 @@ configuration brought back, in the grader's process:
 
 No run hangs: every job has a deadline; each rank writes every collective and send/recv it posts
 to a trace file before posting it, so a hang is reported per rank; a rank that raises ends its
-process (common/lab_rank.py) and its peers are stopped at once. Labs with point-to-point code
+process (common/labs/rank.py) and its peers are stopped at once. Labs with point-to-point code
 run the student's sends and receives once without moving data (a `plan` property) and replay
-them under NCCL's rules (common/p2p_plan.find_deadlock) before any real run. A
+them under NCCL's rules (common/kernel/p2p_plan.find_deadlock) before any real run. A
 `NotImplementedError`, a hang or a failed `gate` stops the grading, naming why. A property whose
 failure an earlier failed property explains (`after`) says so instead of guessing a cause of its
 own. The exit status is 1 when any verdict fails the lab.
@@ -45,17 +45,16 @@ from typing import Any
 
 import torch
 
-from common.lab_failures import crash, replay, unformed
-from common.lab_rank import _on_rank
+from common.chapters import CHAPTERS, ROOT
+from common.labs.failures import crash, replay, unformed
+from common.labs.rank import _on_rank
 from common.rank_pool import RankError, RankPool, RankTimeoutError
 
-PACKAGES = {1: "data_parallel", 2: "ring_allreduce", 3: "zero", 4: "fsdp", 5: "tensor_parallel",
-            6: "pipeline", 7: "parallel3d"}
-ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {c.number: c.package for c in CHAPTERS}
 TIMEOUT_S = float(os.environ.get("PFS_LAB_TIMEOUT", 20))
 CLOSE_GRACE_S = 0.2  # a graded job's ranks are not reused: killed if still tearing down (~1 s each)
 REPLAY = ("every rank's sends and receives, recorded without moving data, replay to the end under "
-          "NCCL's rules (common/p2p_plan.find_deadlock)")
+          "NCCL's rules (common/kernel/p2p_plan.find_deadlock)")
 
 
 # --- a property, its runs and its verdict ------------------------------------------------------
@@ -92,7 +91,7 @@ class Property:
     The Fail that comes first in time decides (the earliest step; at one step, the check listed
     first): a wrong update at step 1 explains wrong gradients at step 2. A check's docstring's
     first paragraph says what it grades (the lessons' lab-graded blocks are made of them:
-    common/lab_docs.py).
+    common/labs/docs.py).
 
     `plan`: `run` runs under record_p2p_plan (no data moves) and the property passes when what
     every rank posted replays to the end under NCCL's rules; list it before the real runs. There
@@ -352,6 +351,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # run as the imported module: the labs' checks use its Fail and Property
-    from common.grader import main as imported_main
+    from common.labs.grader import main as imported_main
 
     sys.exit(imported_main())

@@ -9,13 +9,11 @@ import torch
 from matplotlib.patches import Patch, Rectangle
 
 from common.data import SyntheticTokens, local_micro_batches, split_inputs_targets
-from common.model import build_model, count_parameters, get_config, loss_fn
-from common.optimizer_bytes import optimizer_state_bytes
+from common.figures import Figure, Source, draw
+from common.kernel.model import build_model, count_parameters, get_config, loss_fn
+from common.kernel.optimizer_bytes import optimizer_state_bytes
 from data_parallel.ddp import assign_buckets
 from data_parallel.train import overlap_tokens
-
-from . import draw
-from .__init__ import Figure, Source
 
 GB, MiB = 1e9, 2**20
 
@@ -381,8 +379,8 @@ FIGURES = [
            alt="one data-parallel step: each rank its rows, its gradient, one all-reduce, the same update"),
     Figure(name="memory_7b", path="01_data_parallel/figures/memory_7b.svg", data=memory_data,
            draw=memory_draw, sizes={"model": "llama2-7b"},
-           sources=(Source("common.optimizer_bytes:optimizer_state_bytes", perturb=lambda b: b / 2),
-                    Source("common.model:count_parameters", perturb=lambda p: p // 2)),
+           sources=(Source("common.kernel.optimizer_bytes:optimizer_state_bytes", perturb=lambda b: b / 2),
+                    Source("common.kernel.model:count_parameters", perturb=lambda p: p // 2)),
            alt="what one replica of LLaMA 2 7B holds: the article's reading against 16 bytes per parameter"),
     Figure(name="ddp_buckets", path="01_data_parallel/figures/ddp_buckets.svg", data=buckets_data,
            draw=buckets_draw, sizes={"model": "small", "cap_mb": 4.0},

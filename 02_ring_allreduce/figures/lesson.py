@@ -8,13 +8,11 @@ from dataclasses import replace
 
 from matplotlib.patches import Rectangle
 
-from common.p2p_plan import find_deadlock
+from common.figures import Figure, Source, draw
+from common.kernel.p2p_plan import find_deadlock
 from ring_allreduce import cost_model, plan
 from ring_allreduce.naive import naive_bytes_sent
 from ring_allreduce.ring import SEGMENT_BYTES, ring_traffic
-
-from . import draw
-from .__init__ import Figure, Source
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 
@@ -297,6 +295,6 @@ FIGURES = [
     Figure(name="ring_plan", path="02_ring_allreduce/figures/ring_plan.svg",
            data=ring_plan_data, draw=ring_plan_draw, sizes={"n": 3},
            sources=(Source("ring_allreduce.plan:ring_plan", perturb=ungrouped),
-                    Source("common.p2p_plan:find_deadlock", perturb=lambda d: "deadlock")),
+                    Source("common.kernel.p2p_plan:find_deadlock", perturb=lambda d: "deadlock")),
            alt="every rank's P2P groups of one ring all-reduce, from ring_plan, checked by find_deadlock"),
 ]

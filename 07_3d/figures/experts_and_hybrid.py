@@ -1,13 +1,11 @@
-"""Chapter 07's EP and HSDP page: the mesh's groups of the page's two runs, from common.mesh's own
+"""Chapter 07's EP and HSDP page: the mesh's groups of the page's two runs, from common.kernel.mesh's own
 rank lists (group_ranks, coordinates): which ranks form each line of tp, ep, FSDP's shard group,
 the experts' shard group, HSDP's replicas and the pipeline, and which experts each rank holds."""
 
 from __future__ import annotations
 
-from common.mesh import MeshShape, coordinates, group_ranks
-
-from . import draw
-from .__init__ import Figure, Source
+from common.figures import Figure, Source, draw
+from common.kernel.mesh import MeshShape, coordinates, group_ranks
 
 # the page's two runs (07_3d/experts_and_hybrid.md), 8 ranks each
 MESHES = {"--model tiny-moe --ep 2 --tp 2 --pp 2": {"pp": 2, "dp_shard": 2, "tp": 2, "ep": 2},
@@ -74,7 +72,7 @@ def expert_mesh_draw(data: list[dict]):
             ax.text(world + 0.2, y + 0.3, row["what"], va="center", fontsize=7)
             y += 0.72
         y += 0.5
-    ax.set_title("The mesh's lines (common.mesh.group_ranks): a box shows the line its rank is on, "
+    ax.set_title("The mesh's lines (common.kernel.mesh.group_ranks): a box shows the line its rank is on, "
                  "the same number and colour the same process group", loc="left", fontsize=8.5)
     return fig
 
@@ -88,8 +86,8 @@ def strided_ep(lines: dict) -> dict:
 FIGURES = [
     Figure(name="expert_mesh", path="07_3d/figures/expert_mesh.svg", data=expert_mesh_data,
            draw=expert_mesh_draw, sizes={"n_experts": 8},
-           sources=(Source("common.mesh:group_ranks", perturb=strided_ep),
-                    Source("common.mesh:coordinates", perturb=lambda at: at._replace(ep=0))),
+           sources=(Source("common.kernel.mesh:group_ranks", perturb=strided_ep),
+                    Source("common.kernel.mesh:coordinates", perturb=lambda at: at._replace(ep=0))),
            alt="the lines of tp, ep, FSDP's shard groups, HSDP's replicas and pp on the page's two "
-               "8-rank meshes, from common.mesh.group_ranks"),
+               "8-rank meshes, from common.kernel.mesh.group_ranks"),
 ]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from common.patch import patch_dist
+from common.kernel.patch import patch_dist
 
 
 class A2ARecorder:

@@ -1,6 +1,6 @@
 """Chapter 05's figures of expert parallelism, from real routing: a seeded `tiny-moe` (float64)
 runs forward in one process on each EP rank's own rows of a synthetic batch, and every MoE layer's
-dispatcher records what `common.moe.route` decided and `permute` grouped (kept slots per expert).
+dispatcher records what `common.kernel.moe.route` decided and `permute` grouped (kept slots per expert).
 From those counts: the tokens per expert per rank, the all-to-all send matrix and its bytes,
 each layer's load (the rows each rank's experts process), and what a capacity drops.
 
@@ -14,11 +14,9 @@ from __future__ import annotations
 import torch
 
 from common.data import SyntheticTokens, split_inputs_targets
-from common.model import build_model, get_config
-from common.moe import LocalDispatcher, RoutingPlan, capacity, capacity_mask, moe_layers, permute
-
-from . import draw
-from .__init__ import Figure, Source
+from common.figures import Figure, Source, draw
+from common.kernel.model import build_model, get_config
+from common.kernel.moe import LocalDispatcher, RoutingPlan, capacity, capacity_mask, moe_layers, permute
 
 
 class _Recorder(LocalDispatcher):
@@ -215,19 +213,19 @@ def moe_capacity_draw(data: dict):
     return fig
 
 
-ROUTE = "common.moe:route"
+ROUTE = "common.kernel.moe:route"
 FIGURES = [
     Figure(name="moe_dispatch", path="05_tensor_parallel/figures/moe_dispatch.svg", data=moe_dispatch_data,
            draw=moe_dispatch_draw, sizes={"ep": 4, "layer": 0},
            sources=(Source(ROUTE, perturb=rolled_experts),
-                    Source("common.moe:permute", perturb=lambda r: (r[0], r[1][::-1]))),
+                    Source("common.kernel.moe:permute", perturb=lambda r: (r[0], r[1][::-1]))),
            alt="slots per expert per rank and the all-to-all send matrix of one MoE layer (real routing)"),
     Figure(name="moe_load", path="05_tensor_parallel/figures/moe_load.svg", data=moe_load_data,
            draw=moe_load_draw, sizes={"ep": 4}, sources=(Source(ROUTE, perturb=rolled_experts),),
            alt="rows per EP rank in each MoE layer, each layer's max/mean and the step's worst"),
     Figure(name="moe_capacity", path="05_tensor_parallel/figures/moe_capacity.svg", data=moe_capacity_data,
            draw=moe_capacity_draw, sizes={"capacity_factor": 1.0},
-           sources=(Source("common.moe:capacity", perturb=lambda c: c + 1),
-                    Source("common.moe:capacity_mask", perturb=lambda kept: torch.ones_like(kept))),
+           sources=(Source("common.kernel.moe:capacity", perturb=lambda c: c + 1),
+                    Source("common.kernel.moe:capacity_mask", perturb=lambda kept: torch.ones_like(kept))),
            alt="slots a capacity factor drops: ours per sequence against a per-rank capacity, by EP size"),
 ]

@@ -10,10 +10,10 @@ and a named lab (`lab_<name>_check.py`) on the page about its mechanism, its nam
 (`<!-- lab-graded:begin expert -->` … `<!-- lab-graded:end expert -->`). The block lists the
 lab's properties in the order they run, each with what it runs on and its checks by name (a
 check's name is its function's, `check_in_flight` → *in flight*). In the README that is all (a
-lesson is at most 220 lines); on a page, and from `python -m common.lab_docs N`, each check's
+lesson is at most 220 lines); on a page, and from `python -m common.labs.docs N`, each check's
 statement follows, once: the first paragraph of its docstring (a plan property's NCCL replay).
 A check added, removed, renamed or reworded changes a block, and tests/test_lab_grader.py fails
-until `python -m common.lab_docs --write` has rewritten it.
+until `python -m common.labs.docs --write` has rewritten it.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import re
 import textwrap
 from pathlib import Path
 
-from common.grader import REPLAY, ROOT, Property, check_name, describe, lab_module, lab_names
+from common.labs.grader import REPLAY, ROOT, Property, check_name, describe, lab_module, lab_names
 
 CHAPTERS = range(1, 8)
 REPLAYED = "replayed under NCCL's rules"
-GENERATED = "<!-- generated: python -m common.lab_docs --write; tests/test_lab_grader.py checks it -->"
+GENERATED = "<!-- generated: python -m common.labs.docs --write; tests/test_lab_grader.py checks it -->"
 
 
 def markers(lab: str = "") -> tuple[str, str]:
@@ -66,7 +66,7 @@ def block(chapter: int, lab: str = "", full: bool = False) -> str:
     """The generated lines between a lab's markers; `full` adds each check's statement."""
     properties = importlib.import_module(lab_module(chapter, lab)).PROPERTIES
     command = f"make lab-check N={chapter}" + (f" LAB={lab}" if lab else "")
-    more = "" if full else f" (each check stated by `python -m common.lab_docs {chapter}`)"
+    more = "" if full else f" (each check stated by `python -m common.labs.docs {chapter}`)"
     out = [GENERATED, _fill(f"`{command}` grades, in order{more}:", "")]
     out += [_item(k, prop) for k, prop in enumerate(properties, 1)]
     if full:

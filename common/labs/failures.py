@@ -3,7 +3,7 @@ send/recv plan that would hang on NCCL.
 
 Each rank of a graded job appends every collective and send/recv it posts to `rank<r>` in the
 job's trace folder before posting it, and a rank that raises writes `error<r>` (what raised,
-where: common/lab_rank.raised) before ending its process. From those files: the first cause
+where: common/labs/rank.raised) before ending its process. From those files: the first cause
 among the ranks that raised (a gloo abort is a consequence: another rank stopped first), the
 first collective the ranks posted differently, and each rank's last posted call (what a hung rank
 waits in). `replay` runs every communicator's recorded plan under NCCL's rules.
@@ -16,8 +16,8 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from common.diagnosis import explain_error
-from common.p2p_plan import find_deadlock, plan_from_records
+from common.kernel.p2p_plan import find_deadlock, plan_from_records
+from common.labs.diagnosis import explain_error
 from common.rank_pool import RankError
 
 MISMATCH = ("the ranks posted different collectives (a rank waits in one its peers never post, or "
@@ -65,7 +65,7 @@ def _hang_notes(trace_dir: str, world: int) -> list[str]:
 
 
 def _raised(trace_dir: str, world: int) -> dict[int, dict]:
-    """rank → what it raised (common/lab_rank.raised), for the ranks that wrote one."""
+    """rank → what it raised (common/labs/rank.raised), for the ranks that wrote one."""
     paths = {rank: Path(trace_dir) / f"error{rank}" for rank in range(world)}
     return {rank: json.loads(path.read_text()) for rank, path in paths.items() if path.exists()}
 

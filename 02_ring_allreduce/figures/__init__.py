@@ -1,0 +1,6 @@
+"""The code of this chapter's pictures: each figure's data from the code it shows, and its drawing
+(common/figures holds the drawing kernel; `make figures` writes them beside this file)."""
+
+from ring_allreduce.figures import lesson
+
+FIGURES = [*lesson.FIGURES]
