@@ -12,8 +12,8 @@ to that padding, which the formulas below count:
 
 FSDP2 picks its reduce op by dtype: float64 reduces with SUM and divides by N itself; float32 and
 bf16 ask for ReduceOp.AVG. On torch 2.13 gloo computes that AVG correctly (checked: the gradient
-norm matches one device); CONTRIBUTING.md's rule of the NCCL path (gloo on torch 2.5-2.8 returns the SUM for an AVG
-reduce-scatter) is why the course's own code never uses AVG, and `--check`'s gradient comparison
+norm matches one device); CONTRIBUTING.md's rule of the NCCL path (older gloo returns the SUM
+for an AVG reduce-scatter) is why the course's own code never uses AVG, and `--check`'s gradient comparison
 is what would show it (a loss curve under AdamW barely does).
 """
 
