@@ -1,9 +1,9 @@
 """Every chapter's lesson keeps its shape (CONTRIBUTING.md, "How a chapter is laid out"):
-README.md is the core lesson (at most 220 lines, its lab's graded list between its markers, a figure, closing with a Remember
-box); every other lesson page beside it is at most 200 lines, linked from its chapter's README, and
-shows a figure (drawn by code, or a measurement: common.figures.MEASURED); the front page's path
-links every lesson page, in reading order. That each figure is drawn from the code:
-tests/test_figures.py."""
+README.md is the core lesson (at most 220 lines, its lab's graded list between its markers, a
+figure, closing with a Remember box); every other lesson page beside it is at most 200 lines,
+linked from its chapter's README, and shows a figure (drawn by code, or a measurement:
+common.figures.MEASURED); the front page's path links every lesson page, in reading order. That
+each figure is drawn from the code: tests/test_figures.py."""
 
 from __future__ import annotations
 
