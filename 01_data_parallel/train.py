@@ -21,6 +21,7 @@ from common.dist import DistContext
 from common.kernel.mesh import mesh_shape
 from common.kernel.model import build_model
 from common.kernel.optimizer_bytes import optimizer_state_bytes
+from common.loss_scaler import agreement_bytes, make_scaler
 from common.memory import optimizer_state_tensors, storage_bytes
 from common.mixed_precision import MasterWeights
 from common.reference import make_optimizer
@@ -53,13 +54,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def validate(args: argparse.Namespace, world_size: int) -> Run:
     """Everything that can be wrong with the input, checked before any collective; the run."""
-    validate_common(args)
+    validate_common(args, loss_scaling=True)
     require(args.strategy in STRATEGIES,
             f"--strategy {args.strategy!r} is unknown: use one of {', '.join(STRATEGIES)}")
     require(args.bucket_mb > 0, f"--bucket-mb {args.bucket_mb}: must be > 0 (torch's default is 25)")
     require(args.mixed_precision == "none" or args.strategy != "naive",
-            "--mixed-precision bf16 with --strategy naive: the naive version reduces in the "
-            "parameter dtype; use --strategy ddp (fp32 gradient buckets)")
+            f"--mixed-precision {args.mixed_precision} with --strategy naive: the naive version reduces "
+            "in the parameter dtype; use --strategy ddp (fp32 gradient buckets)")
     return resolve_run(args, mesh_shape(world_size), batch_layout(args.global_batch, world_size,
                        args.micro_batch, args.grad_accum), DataParallelOptions(args.strategy, args.bucket_mb))
 
@@ -67,8 +68,10 @@ def validate(args: argparse.Namespace, world_size: int) -> Run:
 class DataParallelStrategy(Strategy):
     """Whole model on every rank, `wrap`ped so that its backward averages the gradients; the
     shared loop's step does the rest (the local norm is the global one: every rank holds the whole
-    averaged gradient). In mixed precision the model computes in bf16, DDP reduces fp32
-    `main_grad`s, and AdamW updates an fp32 master copy."""
+    averaged gradient). In mixed precision the model computes in bf16 (or fp16), DDP reduces fp32
+    `main_grad`s, and AdamW updates an fp32 master copy; fp16 scales the loss, and the ranks agree
+    its overflow flag over the DDP group (the all-reduce of the gradients carries an inf already:
+    the flag's costs 4 bytes and holds for anything rank-local after it)."""
 
     def __init__(self, run: Run, ctx: DistContext, wrap: Wrap):
         self.mixed = run.mixed
@@ -81,6 +84,7 @@ class DataParallelStrategy(Strategy):
         self.mesh, self.dp_rank, self.dp_size = {"dp": ctx.world_size}, ctx.rank, ctx.world_size
         self.optimizer_name, self.param_itemsize = run.optimizer, module.output.weight.itemsize
         self.reduce_itemsize = 4 if self.mixed else self.param_itemsize
+        self.scaler = make_scaler(run.mixed_precision, run.loss_scaling, ctx.device)
 
     def after_backward(self) -> None:
         if isinstance(self.model, NaiveDataParallel):
@@ -120,7 +124,8 @@ class DataParallelStrategy(Strategy):
         master_bytes = self.weights.master[0].itemsize
         opt = optimizer_state_bytes(self.optimizer_name, P, master_bytes, n_tensors)
         opt += P * master_bytes if self.mixed else 0
-        comm = steps * 2 * (n - 1) / n * P * self.reduce_itemsize
+        flag = agreement_bytes(n) if self.scaler else 0  # fp16: the overflow flag's all-reduce
+        comm = steps * (2 * (n - 1) / n * P * self.reduce_itemsize + flag)
         return comm, {"params": P * self.param_itemsize, "grads": P * self.reduce_itemsize, "optimizer": opt}
 
 

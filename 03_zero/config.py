@@ -1,7 +1,7 @@
 """The DeepSpeed-style JSON config: the keys this engine understands, their defaults, validation,
 and how they map onto ZeroOptimizer's keyword arguments (`optimizer_arguments`).
 
-    {"bf16": {"enabled": true},
+    {"bf16": {"enabled": true},                      (or "fp16": {"enabled": true}: loss scaling)
      "zero_optimization": {"stage": 2, "overlap_comm": true, "contiguous_gradients": true,
                            "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8},
      "gradient_accumulation_steps": 4, "gradient_clipping": 1.0,
@@ -31,6 +31,7 @@ class ZeroConfigError(ValueError):
 class ZeroConfig:
     stage: int = 0
     bf16: bool = False
+    fp16: bool = False  # fp16 compute with the loop's dynamic loss scaling (torch GradScaler's rule)
     overlap_comm: bool = True
     contiguous_gradients: bool = True
     reduce_bucket_size: int = 500_000_000
@@ -51,6 +52,11 @@ class ZeroConfig:
     @property
     def offload(self) -> bool:
         return self.offload_optimizer != "none"
+
+    @property
+    def mixed(self) -> bool:
+        """bf16 or fp16 compute over fp32 masters."""
+        return self.bf16 or self.fp16
 
 
 # key → (what it is, a checker returning an error string or None)
@@ -148,9 +154,11 @@ def parse_config(raw: dict) -> ZeroConfig:
         raise ZeroConfigError("config.zero_optimization must be an object")
     _unknown(zero, ZERO_KEYS, "zero_optimization")
     _check(zero, ZERO_KEYS, "zero_optimization")
-    if _enabled(raw.get("fp16", {}), "config.fp16"):
-        raise ZeroConfigError("config.fp16.enabled = true: fp16 needs loss scaling, which this engine "
-                              "does not implement; use \"bf16\": {\"enabled\": true}")
+    # fp16: only {"enabled": ...}; its scaler is torch GradScaler's (it backs off at every overflow:
+    # DeepSpeed's "hysteresis", "loss_scale_window" and "min_loss_scale" are unknown keys here)
+    bf16, fp16 = _enabled(raw.get("bf16", {}), "config.bf16"), _enabled(raw.get("fp16", {}), "config.fp16")
+    if bf16 and fp16:
+        raise ZeroConfigError("config.bf16 and config.fp16 are both enabled: pick one")
     opt_device, pin_opt = _offload(zero.get("offload_optimizer", {}), "zero_optimization.offload_optimizer")
     par_device, pin_par = _offload(zero.get("offload_param", {}), "zero_optimization.offload_param")
     stage = zero.get("stage", 0)
@@ -160,7 +168,7 @@ def parse_config(raw: dict) -> ZeroConfig:
     as_int = lambda key, default: int(zero.get(key, default))  # noqa: E731
     top_int = lambda key: int(raw[key]) if key in raw else None  # noqa: E731
     return ZeroConfig(
-        stage=stage, bf16=_enabled(raw.get("bf16", {}), "config.bf16"),
+        stage=stage, bf16=bf16, fp16=fp16,
         overlap_comm=zero.get("overlap_comm", True),
         contiguous_gradients=zero.get("contiguous_gradients", True),
         reduce_bucket_size=as_int("reduce_bucket_size", 500_000_000),
@@ -188,7 +196,8 @@ def load_config(path: str | Path) -> ZeroConfig:
 def optimizer_arguments(config: ZeroConfig) -> dict[str, Any]:
     """The ZeroOptimizer keyword arguments of `config` (the rest, accumulation, clipping, the
     batch and stage 3's persistence threshold, are the engine's and train.py's)."""
-    return {"stage": config.stage, "bf16": config.bf16, "overlap_comm": config.overlap_comm,
+    return {"stage": config.stage, "bf16": config.bf16, "fp16": config.fp16,
+            "overlap_comm": config.overlap_comm,
             "contiguous_gradients": config.contiguous_gradients,
             "reduce_bucket_size": config.reduce_bucket_size,
             "allgather_bucket_size": config.allgather_bucket_size,
@@ -205,8 +214,8 @@ def to_dict(config: ZeroConfig) -> dict:
             "param_persistence_threshold": config.param_persistence_threshold,
             "offload_optimizer": {"device": config.offload_optimizer},
             "offload_param": {"device": config.offload_param}}
-    out = {"bf16": {"enabled": config.bf16}, "zero_optimization": zero,
-           "gradient_clipping": config.gradient_clipping}
+    out = {"bf16": {"enabled": config.bf16}, **({"fp16": {"enabled": True}} if config.fp16 else {}),
+           "zero_optimization": zero, "gradient_clipping": config.gradient_clipping}
     for key in ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "train_batch_size"):
         if getattr(config, key) is not None:
             out[key] = getattr(config, key)

@@ -70,9 +70,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     0-2; `optimizer_class(param_groups, **defaults)` steps this rank's shards. DeepSpeed's knobs
     by their names: `reduce_bucket_size` / `allgather_bucket_size` (elements), `overlap_comm`
     (reduce while backward runs), `contiguous_gradients` (stage 2: one buffer for every shard),
-    `bf16` (an fp32 model computes in bf16 with fp32 masters and fp32 reduction),
-    `offload_optimizer` (master, state and step on the CPU), `pin_memory`. Building it and
-    `add_param_group` are collectives, and so are `step`, `clip_grad_norm_` and `consolidate_state_dict`.
+    `bf16` / `fp16` (fp32 model, bf16 / fp16 compute, fp32 masters and reduction; fp16's loss
+    scaling is the caller's), `offload_optimizer` (master, state, step on the CPU), `pin_memory`.
+    Building it, `add_param_group`, `step`, `clip_grad_norm_` and `consolidate_state_dict` are collectives.
     For `ZeroEngine` (stage 3): `param_names` ({param: name}, for messages), `units`,
     `offload_param`, `init_values_fn` and `device` (a model built on the meta device)."""
 
@@ -82,7 +82,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  process_group=None, stage: int = 1, ownership: str = "slice",
                  reduce_bucket_size: int = 500_000_000, allgather_bucket_size: int = 500_000_000,
                  overlap_comm: bool = True, contiguous_gradients: bool = True, bf16: bool = False,
-                 offload_optimizer: bool = False, pin_memory: bool = True,
+                 fp16: bool = False, offload_optimizer: bool = False, pin_memory: bool = True,
                  param_names: Mapping[nn.Parameter, str] | None = None, units: list[Unit] | None = None,
                  offload_param: bool = False, init_values_fn: Callable[[str], torch.Tensor] | None = None,
                  device: torch.device | None = None, **defaults):
@@ -107,9 +107,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.shard_world, self.shard_rank = (1, 0) if stage == 0 else (self.world, self.rank)
         self.reduce_bucket_size = int(reduce_bucket_size)
         self.allgather_bucket_size = int(allgather_bucket_size)
-        self.overlap_comm, self.contiguous_gradients, self.bf16 = overlap_comm, contiguous_gradients, bf16
+        self.overlap_comm, self.contiguous_gradients = overlap_comm, contiguous_gradients
+        self.bf16, self.fp16, self.pin_memory = bf16, fp16, pin_memory
         self.offload_optimizer, self.offload_param = offload_optimizer, offload_param
-        self.pin_memory = pin_memory
         self.optimizer_class, self.optim = optimizer_class, None
         self.param_names, self.units, self.init_values_fn = param_names or {}, units, init_values_fn
         self.device = None if device is None else torch.device(device)
@@ -164,11 +164,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def _choose_dtypes(self, first: nn.Parameter) -> None:
         self.param_dtype, self.device = first.dtype, self.device or first.device
-        if self.bf16 and first.dtype != torch.float32:
-            raise ValueError(f"bf16 mixed precision takes an fp32 model (the fp32 master weights "
-                             f"come from it); got {first.dtype}")
-        self.compute_dtype = torch.bfloat16 if self.bf16 else first.dtype
-        self.master_dtype = self.reduce_dtype = torch.float32 if self.bf16 else first.dtype
+        compute = {(True, False): torch.bfloat16, (False, True): torch.float16}.get((self.bf16, self.fp16))
+        if (self.bf16 or self.fp16) and (compute is None or first.dtype != torch.float32):
+            raise ValueError(f"bf16={self.bf16}, fp16={self.fp16} with a {first.dtype} model: mixed "
+                             "precision takes one of the two and an fp32 model (the masters come from it)")
+        self.compute_dtype = compute or first.dtype
+        self.master_dtype = self.reduce_dtype = torch.float32 if compute else first.dtype
         self.offload_device = torch.device("cpu") if self.offload_optimizer else self.device
         self.param_device = torch.device("cpu") if self.offload_param else self.device
 

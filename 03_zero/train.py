@@ -20,6 +20,7 @@ from common.cli import ConfigError, base_parser, batch_layout, require, validate
 from common.dist import DistContext
 from common.kernel.mesh import mesh_shape
 from common.kernel.model import TransformerBlock, build_model, initializer
+from common.loss_scaler import agreement_bytes, make_scaler
 from common.memory import ActivationMeter, storage_bytes
 from common.reference import make_optimizer
 from common.run import Run, resolve_run
@@ -72,11 +73,15 @@ def resolve_config(args: argparse.Namespace) -> ZeroConfig:
     require(config.offload_param == "none" or config.stage == 3,
             f"offload_param with stage {config.stage}: only stage 3 partitions the parameters; use "
             "--stage 3 or remove offload_param from the config")
-    if getattr(args, "mixed_precision", "none") == "bf16":
-        config = replace(config, bf16=True)
-    require(not config.bf16 or args.dtype == "float32",
-            f"bf16 (the config's, or --mixed-precision) with --dtype {args.dtype}: the master weights "
-            "are float32, use --dtype float32")
+    flag = getattr(args, "mixed_precision", "none")
+    require(flag == "none" or not config.mixed or getattr(config, flag, False),
+            f"--mixed-precision {flag} disagrees with the config's {'bf16' if config.bf16 else 'fp16'} "
+            "section: drop one of the two")
+    if flag in ("bf16", "fp16"):
+        config = replace(config, **{flag: True})
+    require(not config.mixed or args.dtype == "float32",
+            f"{'bf16' if config.bf16 else 'fp16'} (the config's, or --mixed-precision) with --dtype "
+            f"{args.dtype}: the master weights are float32, use --dtype float32")
     if config.clip is not None:
         require(args.clip_grad in (None, config.clip),
                 f"--clip-grad {args.clip_grad} disagrees with the config's gradient_clipping "
@@ -92,7 +97,7 @@ def validate(args: argparse.Namespace, world_size: int) -> Run:
     layout written into it, as DeepSpeed's engine holds it) and whose global batch, clipping and
     mixed precision are the config's."""
     config = resolve_config(args)
-    validate_common(args)
+    validate_common(args, loss_scaling=True)
     micro, accum = args.micro_batch, args.grad_accum
     for flag, value, key in (("--micro-batch", micro, "train_micro_batch_size_per_gpu"),
                              ("--grad-accum", accum, "gradient_accumulation_steps")):
@@ -112,7 +117,8 @@ def validate(args: argparse.Namespace, world_size: int) -> Run:
     config = replace(config, gradient_accumulation_steps=layout.grad_accum,
                      train_micro_batch_size_per_gpu=layout.micro_batch)
     return resolve_run(args, mesh_shape(world_size), layout, config, global_batch=global_batch,
-                       clip_grad=config.clip, mixed_precision="bf16" if config.bf16 else "none")
+                       clip_grad=config.clip,
+                       mixed_precision="bf16" if config.bf16 else "fp16" if config.fp16 else "none")
 
 
 class FlatActivationMeter(ActivationMeter):
@@ -134,7 +140,8 @@ class ZeroStrategy(Strategy):
     """The model's parameters live in ZeroEngine's flat buffers; each rank steps its own slice.
     Stage 3 gathers one unit per TransformerBlock (`unit_policy`, FSDP's auto-wrap policy). The
     engine's hooks reduce (it counts the micro-batches itself: no no_sync); clipping is its norm
-    over the shards."""
+    over the shards. fp16: the loss scaler unscales each rank's gradient shards, and the ranks
+    agree the overflow flag over the engine's group (an inf lands in one owner's shard only)."""
 
     unit_policy = staticmethod(lambda module: isinstance(module, TransformerBlock))
 
@@ -154,6 +161,11 @@ class ZeroStrategy(Strategy):
         self.dp_rank, self.dp_size = self.engine.rank, self.engine.world
         self.mesh = {"dp": self.dp_size}
         self.optimizer_name, self.itemsize = run.optimizer, run.dtype.itemsize
+        self.scaler = make_scaler(run.mixed_precision, run.loss_scaling, ctx.device)
+        self.scaler_group = self.engine.optimizer.group
+
+    def local_gradients(self) -> list[torch.Tensor]:
+        return [g.shard_grad for g in self.engine.groups]  # what this rank's optimizer steps
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         self.grad_norm = self.engine.clip_grad_norm_(max_norm)  # read once, by the report
@@ -181,7 +193,7 @@ class ZeroStrategy(Strategy):
         """Ψ and the persistent part of it, and the byte sizes of the formulas."""
         psi = sum(p.numel() for g in self.engine.groups for p in g.params)
         persistent = sum(g.numel for g in self.engine.groups if g.persistent) if self.config.stage == 3 else 0
-        mixed = self.config.bf16
+        mixed = self.config.mixed
         return {"psi": psi, "psi_persistent": persistent, "b_param": 2 if mixed else self.itemsize,
                 "b_grad": 4 if mixed else self.itemsize,
                 "k": optimizer_bytes_per_param(self.optimizer_name, mixed, self.itemsize)}
@@ -190,6 +202,7 @@ class ZeroStrategy(Strategy):
         s, c, n = self.sizes(), self.config, self.dp_size
         comm = steps * comm_formula(c.stage, s["psi"], n, s["b_param"], s["b_grad"],
                                     self.engine.gas, s["psi_persistent"], clip=c.clip is not None)
+        comm += steps * agreement_bytes(n) if self.scaler else 0  # fp16's overflow flag
         return comm, memory_formula(c.stage, s["psi"], n, s["b_param"], s["b_grad"], s["k"],
                                     s["psi_persistent"])
 

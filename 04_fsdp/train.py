@@ -6,8 +6,9 @@ Each TransformerBlock is a unit (transformer_auto_wrap_policy), the root unit ho
 embeddings, the final norm and the head. Every rank keeps 1/N of each unit's flat parameter, its
 gradient and its AdamW state; units are gathered just before they run and freed after.
 `--mixed-precision bf16` is the source article's MixedPrecision(bf16, fp32, bf16): bf16 compute,
-fp32 reduce-scatter, fp32 master shard and optimizer state. `--check` trains the single-device
-reference alongside and exits 1 when the two differ beyond the README's tolerance.
+fp32 reduce-scatter, fp32 master shard and optimizer state; `fp16` the same in fp16, with the
+loop's dynamic loss scaling (the overflow flag agreed by every rank). `--check` trains the
+single-device reference alongside and exits 1 when the two differ beyond the README's tolerance.
 
 HSDP (FSDP across nodes): `--sharding-strategy HYBRID_SHARD --nodes 2` on 4 ranks shards over
 ranks {0,1} and {2,3} (two "nodes") and all-reduces each shard over {0,2} and {1,3}; without
@@ -33,6 +34,7 @@ from common.dist import DistContext, pick_backend
 from common.kernel.mesh import MeshShape, build_mesh, mesh_shape
 from common.kernel.model import TransformerBlock, build_model, initializer
 from common.kernel.optimizer_bytes import optimizer_state_bytes
+from common.loss_scaler import agreement_bytes, make_scaler
 from common.memory import ActivationMeter, model_state_bytes
 from common.reference import make_optimizer
 from common.run import Run, resolve_run
@@ -53,6 +55,7 @@ from fsdp.wrap import node_size, reshards_after_forward
 
 BF16_MIXED = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                             buffer_dtype=torch.bfloat16)  # the source article's
+MIXED = {"bf16": BF16_MIXED, "fp16": MixedPrecision(torch.float16, torch.float32, torch.float16)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -88,13 +91,16 @@ class FSDPOptions:
 
 def validate(args: argparse.Namespace, world_size: int) -> Run:
     """Everything that can be wrong with the input, checked before any collective; the run."""
-    validate_common(args)
+    validate_common(args, loss_scaling=True)
     names = [s.name for s in ShardingStrategy]
     require(args.sharding_strategy in names,
             f"--sharding-strategy {args.sharding_strategy!r} is unknown: use one of {', '.join(names)}")
     require(args.impl == "ours" or args.sharding_strategy != "NO_SHARD",
             "--impl torch-fsdp2 with --sharding-strategy NO_SHARD: FSDP2 has no NO_SHARD (use "
             "torch's DDP, chapter 01), pick FULL_SHARD or SHARD_GRAD_OP")
+    require(args.impl == "ours" or args.mixed_precision != "fp16",
+            "--impl torch-fsdp2 with --mixed-precision fp16: the FSDP2 yardstick runs no loss scaler; "
+            "use --impl ours (or --mixed-precision bf16)")
     mesh = validate_nodes(args, world_size)
     missing = fsdp2_unavailable(device_type()) if args.impl == "torch-fsdp2" else None
     require(missing is None, f"--impl torch-fsdp2: {missing}")
@@ -144,14 +150,15 @@ def wrap_llama(model: nn.Module, run: Run, process_group=None, device=None,
     return FullyShardedDataParallel(
         model, process_group=process_group, device_id=device, shard_init_fn=shard_init_fn,
         auto_wrap_policy=partial(transformer_auto_wrap_policy, transformer_layer_cls={TransformerBlock}),
-        mixed_precision=BF16_MIXED if run.mixed else None,
+        mixed_precision=MIXED.get(run.mixed_precision),
         sharding_strategy=ShardingStrategy[options.sharding_strategy], forward_prefetch=options.prefetch,
         backward_prefetch=BackwardPrefetch.BACKWARD_PRE if options.prefetch else None)
 
 
 class FSDPStrategy(Strategy):
     """LLaMA under our FullyShardedDataParallel; the optimizer holds only the 1/N flat shards.
-    Each micro-batch's backward reduce-scatters (unless --no-sync); clipping is FSDP's own."""
+    Each micro-batch's backward reduce-scatters (unless --no-sync); clipping is FSDP's own. fp16:
+    the loss scaler unscales the shards' gradients and every data-parallel rank agrees the flag."""
 
     def __init__(self, run: Run, ctx: DistContext, process_group=None):
         # a meta model: each unit draws only the parameters that overlap this rank's shard, on CPU
@@ -162,6 +169,10 @@ class FSDPStrategy(Strategy):
         self.optimizer = make_optimizer(self.model.parameters(), run.optimizer, run.lr)
         self.run, self.n_params = run, sum(u.numel for u in self.model.shard_layout())
         self.clip_grad = run.clip_grad
+        self.scaler = make_scaler(run.mixed_precision, run.loss_scaling, ctx.device)
+        # every data-parallel rank agrees (HSDP: both groups, the world; an inf found after the
+        # replicas' all-reduce would otherwise stay on one node)
+        self.scaler_group = None if self.model.replicate_group is not None else self.model.process_group
         self.name = f"fsdp-{run.options.sharding_strategy.lower()}"
         self.dp_rank, self.dp_size, self.steps_done = ctx.rank, ctx.world_size, 0
         self.mesh = {"dp": ctx.world_size}
@@ -198,6 +209,8 @@ class FSDPStrategy(Strategy):
         AdamW step counter per unit (b = the shard's dtype: fp32 in mixed precision)."""
         run = self.run
         comm = steps * comm_bytes(self.model, run.grad_accum, run.options.no_sync, run.clip_grad is not None)
+        group = dist.get_world_size(self.model.process_group)
+        comm += steps * agreement_bytes(group) if self.scaler else 0  # fp16's overflow flag
         units = self.model.shard_layout()
         shards = sum(u.shard_numel for u in units)
         b = units[0].flat_param.element_size()

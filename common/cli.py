@@ -34,7 +34,8 @@ def base_parser(description: str) -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--steps", type=int, default=20, help="optimizer steps")
     p.add_argument("--seed", type=int, default=0, help="init and data seed")
-    p.add_argument("--dtype", choices=DTYPES, default="float32", help="parameter/compute dtype")
+    p.add_argument("--dtype", choices=[*DTYPES, "float16"], default="float32",
+                   help="parameter/compute dtype (float16: refused, use --mixed-precision fp16)")
     p.add_argument("--model", choices=CONFIGS, default="small", help="named LLaMA config")
     p.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step")
     p.add_argument("--micro-batch", type=int, default=None,
@@ -46,9 +47,10 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     p.add_argument("--clip-grad", type=float, default=None, metavar="MAX_NORM",
                    help="clip gradients to this global L2 norm (torch.nn.utils.clip_grad_norm_)")
-    p.add_argument("--mixed-precision", choices=("none", "bf16"), default="none",
+    p.add_argument("--mixed-precision", choices=("none", "bf16", "fp16"), default="none",
                    help="bf16: compute in bfloat16 with fp32 master weights, fp32 gradient reduction "
-                        "and fp32 optimizer state (needs --dtype float32)")
+                        "and fp32 optimizer state (needs --dtype float32); fp16: the same in float16, "
+                        "with dynamic loss scaling (chapters 01, 03 and 04)")
     p.add_argument("--log-every", type=int, default=1, metavar="K",
                    help="print a progress line every K steps on rank 0 (0: quiet)")
     p.add_argument("--data", default=None, metavar="FILE",
@@ -104,7 +106,23 @@ def batch_layout(global_batch: int, dp: int, micro_batch: int | None,
     return BatchLayout(micro_batch, per_rank // micro_batch)
 
 
-def validate_common(args: argparse.Namespace) -> None:
+# Where `--mixed-precision fp16` runs: the strategies whose step agrees the loss scaler's overflow
+# flag over their data-parallel group (01's ddp, 03, 04's own FSDP). The others refuse it.
+FP16_STRATEGIES = "01_data_parallel --strategy ddp, 03_zero, 04_fsdp --impl ours"
+
+
+def validate_common(args: argparse.Namespace, loss_scaling: bool = False) -> None:
+    """The shared flags' checks; `loss_scaling`: this chapter's strategy runs --mixed-precision fp16."""
+    require(args.dtype != "float16",
+            "--dtype float16: fp16 parameters lose every update below 2^-11 of a weight and fp16 "
+            "gradients underflow; use --dtype float32 --mixed-precision fp16 (fp32 master weights, "
+            "dynamic loss scaling)")
+    require(getattr(args, "mixed_precision", "none") != "fp16" or loss_scaling,
+            f"--mixed-precision fp16: this chapter's strategies do not run the loss scaler; fp16 "
+            f"trains in {FP16_STRATEGIES}; here use --mixed-precision bf16 (fp32's range: no scaling)")
+    require(getattr(args, "mixed_precision", "none") != "fp16" or not model_config(args).n_experts,
+            f"--mixed-precision fp16 with --model {args.model}, a mixture of experts: its aux loss's "
+            "gradient is not loss-scaled here; use --mixed-precision bf16")
     require(args.steps > 0, f"--steps {args.steps}: must be positive")
     require(args.seq_len > 0, f"--seq-len {args.seq_len}: must be positive")
     require(args.lr > 0, f"--lr {args.lr}: must be positive")

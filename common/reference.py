@@ -17,6 +17,7 @@ from torch import nn
 
 from common.data import split_inputs_targets
 from common.kernel.model import LlamaConfig, build_model, loss_fn
+from common.loss_scaler import DynamicLossScaler, LossScaling
 
 # How far a strategy may be from the reference, per dtype: TOLERANCE[dtype] in METRIC[dtype].
 # "max":    max over tensors of max |a - b| / max |b|   (float64: only the summation order differs)
@@ -36,14 +37,18 @@ TOLERANCE: dict[torch.dtype | str, float] = {
     # round differently from the reference's whole batch, and the fp32 sum of the micro-batches'
     # bf16 gradients is not the bf16 gradient of their sum: measured ~1e-2 in the global norm.
     "bf16-mixed": 5e-2,
+    # the same recipe in fp16 with dynamic loss scaling (MixedPrecisionReferenceTrainer with the
+    # same scaler, its state teacher-forced): 3 more mantissa bits than bf16
+    "fp16-mixed": 1e-2,
 }
 METRIC: dict[torch.dtype | str, str] = {torch.float64: "max", torch.float32: "global",
-                                        torch.bfloat16: "global", "bf16-mixed": "global"}
+                                        torch.bfloat16: "global", "bf16-mixed": "global",
+                                        "fp16-mixed": "global"}
 
 
 def precision_key(dtype: torch.dtype, mixed_precision: str = "none") -> torch.dtype | str:
-    """The row of TOLERANCE/METRIC: the dtype, or "bf16-mixed" for --mixed-precision bf16."""
-    return "bf16-mixed" if mixed_precision == "bf16" else dtype
+    """The row of TOLERANCE/METRIC: the dtype, or "bf16-mixed" / "fp16-mixed" for --mixed-precision."""
+    return f"{mixed_precision}-mixed" if mixed_precision in ("bf16", "fp16") else dtype
 
 
 def make_optimizer(params: Iterable[nn.Parameter], name: str, lr: float) -> torch.optim.Optimizer:
@@ -126,15 +131,20 @@ class ReferenceTrainer:
 
 class MixedPrecisionReferenceTrainer(ReferenceTrainer):
     """The mixed-precision recipe on one device: fp32 master weights (what the optimizer updates
-    and `parameters()` returns), cast to a bf16 copy for forward and backward; the bf16 gradients
-    are cast to fp32 before clipping and the fp32 AdamW step. Every chapter's `--mixed-precision
-    bf16` follows exactly these casts, so the two differ only by where bf16 rounds."""
+    and `parameters()` returns), cast to a bf16 (or fp16) copy for forward and backward; the
+    gradients are cast to fp32 before clipping and the fp32 AdamW step. Every chapter's
+    `--mixed-precision` follows exactly these casts, so the two differ only by where bf16 rounds.
+    fp16 adds `scaler` (`loss_scaling`): backward from s·loss, unscale the fp32 gradients, skip
+    the step on an inf or nan, update s (common/loss_scaler.py)."""
 
     def __init__(self, cfg: LlamaConfig, seed: int, dtype: torch.dtype = torch.float32,
                  optimizer: str = "adamw", lr: float = 1e-3, device: torch.device | str = "cpu",
-                 clip_grad: float | None = None, compute_dtype: torch.dtype = torch.bfloat16):
+                 clip_grad: float | None = None, compute_dtype: torch.dtype = torch.bfloat16,
+                 loss_scaling: LossScaling | None = None):
         super().__init__(cfg, seed, torch.float32, optimizer, lr, device, clip_grad)
         self.compute = build_model(cfg, seed, compute_dtype, device)
+        self.scaler = (DynamicLossScaler(loss_scaling or LossScaling(), device)
+                       if compute_dtype == torch.float16 else None)
 
     def step(self, tokens: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
         inputs, targets = split_inputs_targets(tokens.to(self.device))
@@ -142,19 +152,33 @@ class MixedPrecisionReferenceTrainer(ReferenceTrainer):
             for c, m in zip(self.compute.parameters(), self.model.parameters(), strict=True):
                 c.copy_(m)
         loss = loss_fn(self.compute(inputs), targets)
-        loss.backward()
+        (loss if self.scaler is None else self.scaler.scale_loss(loss)).backward()
         for c, m in zip(self.compute.parameters(), self.model.parameters(), strict=True):
             m.grad, c.grad = c.grad.float(), None
+        if self.scaler is not None:
+            self.scaler.unscale_([m.grad for m in self.model.parameters()])
         grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters()}
         self._apply()
         return loss.item(), grads
 
+    def _apply(self) -> None:
+        if self.scaler is not None and self.scaler.should_skip():
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            super()._apply()
+        if self.scaler is not None:
+            self.scaler.update()
+
 
 def make_reference(cfg: LlamaConfig, seed: int, dtype: torch.dtype, optimizer: str = "adamw",
                    lr: float = 1e-3, device: torch.device | str = "cpu", clip_grad: float | None = None,
-                   mixed_precision: str = "none") -> ReferenceTrainer:
-    cls = MixedPrecisionReferenceTrainer if mixed_precision == "bf16" else ReferenceTrainer
-    return cls(cfg, seed, dtype, optimizer, lr, device, clip_grad)
+                   mixed_precision: str = "none",
+                   loss_scaling: LossScaling | None = None) -> ReferenceTrainer:
+    if mixed_precision in ("bf16", "fp16"):
+        compute = torch.bfloat16 if mixed_precision == "bf16" else torch.float16
+        return MixedPrecisionReferenceTrainer(cfg, seed, dtype, optimizer, lr, device, clip_grad, compute,
+                                              loss_scaling)
+    return ReferenceTrainer(cfg, seed, dtype, optimizer, lr, device, clip_grad)
 
 
 @dataclass
@@ -166,6 +190,8 @@ class EquivalenceCheck:
     max_loss_diff: float = 0.0
     max_grad_diff: float = 0.0
     max_param_diff: float = 0.0
+    # fp16: steps whose loss-scaler state or skip decision differed from the reference's (exact)
+    loss_scale_mismatches: list[int] = field(default_factory=list)
 
     @property
     def tolerance(self) -> float:
@@ -183,11 +209,18 @@ class EquivalenceCheck:
         self.max_param_diff = max(self.max_param_diff,
                                   relative_diff(params, ref_params, METRIC[self.dtype]))
 
+    def compare_loss_scale(self, state: dict | None, reference: DynamicLossScaler | None) -> None:
+        """fp16: the strategy's scaler state (scale, good steps) must be the reference's, exactly."""
+        if reference is not None and state != reference.state_dict():
+            self.loss_scale_mismatches.append(len(self.reference_losses) - 1)  # the step that led here
+
     @property
     def passed(self) -> bool:
-        return max(self.max_loss_diff, self.max_grad_diff, self.max_param_diff) <= self.tolerance
+        return (max(self.max_loss_diff, self.max_grad_diff, self.max_param_diff) <= self.tolerance
+                and not self.loss_scale_mismatches)
 
     def summary(self) -> dict:
+        scaled = {"loss_scale_mismatches": self.loss_scale_mismatches} if self.dtype == "fp16-mixed" else {}
         return {
             "reference_losses": self.reference_losses,
             "max_loss_diff": self.max_loss_diff,
@@ -195,6 +228,7 @@ class EquivalenceCheck:
             "max_param_diff": self.max_param_diff,
             "tolerance": self.tolerance,
             "check_passed": self.passed,
+            **scaled,
         }
 
 
@@ -211,33 +245,42 @@ class LockstepReference:
 
     def __init__(self, cfg: LlamaConfig, seed: int, dtype: torch.dtype, optimizer: str, lr: float,
                  device: torch.device | str = "cpu", clip_grad: float | None = None,
-                 mixed_precision: str = "none"):
+                 mixed_precision: str = "none", loss_scaling: LossScaling | None = None):
         make = lambda: make_reference(cfg, seed, dtype, optimizer, lr, device, clip_grad,  # noqa: E731
-                                      mixed_precision)
+                                      mixed_precision, loss_scaling)
         self.trainer = make()
         self.free = make() if dtype == torch.float64 and mixed_precision == "none" else None
         key = precision_key(dtype, mixed_precision)
         self.check, self.free_check = EquivalenceCheck(key), EquivalenceCheck(key)
 
     def step(self, tokens: torch.Tensor, grads: dict[str, torch.Tensor],
-             params: dict[str, torch.Tensor]) -> None:
+             params: dict[str, torch.Tensor], scaler_state: dict | None = None) -> None:
         """`grads` and `params` (before the optimizer step) gathered to full shape. `params` are
         also compared with where the reference's previous step (from the strategy's previous
-        parameters) went, so every step's update is checked, not only the last one."""
+        parameters) went, so every step's update is checked, not only the last one. fp16: the
+        strategy's loss-scaler state is compared and forced the same way (a step skipped on one
+        side only shows there: backed off against grown), and a skipped step's gradients are not."""
+        scaler = getattr(self.trainer, "scaler", None)
         if self.check.reference_losses:
             self.check.compare_parameters(params, self.trainer.parameters())
+            self.check.compare_loss_scale(scaler_state, scaler)
         self.trainer.load_parameters(params)
+        if scaler is not None and scaler_state is not None:
+            scaler.load_state_dict(scaler_state)
         ref_loss, ref_grads = self.trainer.step(tokens)
         self.check.reference_losses.append(ref_loss)
-        self.check.compare_grads(grads, ref_grads)
+        if scaler is None or not scaler.found_inf.item():  # a skipped step's gradients are never applied
+            self.check.compare_grads(grads, ref_grads)
         if self.free is not None:
             ref_loss, ref_grads = self.free.step(tokens)
             self.free_check.reference_losses.append(ref_loss)
             self.free_check.compare_grads(grads, ref_grads)
 
-    def finish(self, losses: list[float], params: dict[str, torch.Tensor]) -> dict:
+    def finish(self, losses: list[float], params: dict[str, torch.Tensor],
+               scaler_state: dict | None = None) -> dict:
         self.check.compare_losses(losses)
         self.check.compare_parameters(params, self.trainer.parameters())
+        self.check.compare_loss_scale(scaler_state, getattr(self.trainer, "scaler", None))
         report = self.check.summary() | {"teacher_forced": True}
         if self.free is not None:
             self.free_check.compare_losses(losses)

@@ -9,9 +9,10 @@ from pathlib import Path
 REPORT_KEYS = (
     "chapter", "strategy", "world_size", "mesh", "backend", "device", "dtype", "mixed_precision",
     "steps", "losses", "reference_losses", "max_loss_diff", "max_grad_diff", "max_param_diff",
-    "tolerance", "teacher_forced", "free_running", "check_passed", "tokens_per_s", "comm",
-    "comm_bytes_per_rank", "comm_bytes_formula", "comm_convention", "comm_observed_lo_bytes",
-    "comm_observed_lo_noise_bytes", "comm_written_bytes", "memory", "memory_formula",
+    "tolerance", "teacher_forced", "free_running", "check_passed", "loss_scale_mismatches",
+    "loss_scale", "skipped_steps", "tokens_per_s", "comm", "comm_bytes_per_rank", "comm_bytes_formula",
+    "comm_convention", "comm_observed_lo_bytes", "comm_observed_lo_noise_bytes", "comm_written_bytes",
+    "memory", "memory_formula",
 )
 P2P_OPS = ("send", "isend", "recv", "irecv")
 
@@ -61,6 +62,8 @@ def summary_table(report: dict, observed: bool = False) -> str:
         f"chapter {report['chapter']} · {report['strategy']} · {mesh} · {report['backend']} on "
         f"{report['device']} · {precision} · {report['steps']} steps",
         f"loss {losses[0]:.4f} → {losses[-1]:.4f} · {report['tokens_per_s']:.0f} tokens/s",
+        *([f"fp16 loss scale at the end {report['loss_scale']:g} · steps skipped on an inf/nan: "
+           f"{report['skipped_steps']} of {report['steps']}"] if "loss_scale" in report else []),
         f"{'per rank':<{W}}{'measured':>14}{'formula':>14}{'ratio':>9}",
         f"{'comm ' + COMM_LABELS.get(convention, convention):<{W}}"
         f"{human_bytes(report['comm_bytes_per_rank']):>14}{human_bytes(report['comm_bytes_formula']):>14}"
@@ -110,6 +113,10 @@ def summary_table(report: dict, observed: bool = False) -> str:
             f"loss {report['max_loss_diff']:.2e} · grad {report['max_grad_diff']:.2e} · "
             f"param {report['max_param_diff']:.2e} (each step from the same parameters)"
         )
+        if "loss_scale_mismatches" in report:
+            wrong = report["loss_scale_mismatches"]
+            lines.append(f"  loss scale and skipped steps: {'as' if not wrong else 'NOT as'} the reference's"
+                         + (f" (steps {wrong})" if wrong else ""))
         if free := report.get("free_running"):
             lines.append(
                 f"  free-running float64 reference, {report['steps']} steps: loss "

@@ -13,7 +13,7 @@ virtual stages and partition, 03's ZeroConfig merged from the flags and a DeepSp
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,6 +21,9 @@ import torch
 from common.cli import DTYPES, BatchLayout, model_config
 from common.kernel.mesh import MeshShape
 from common.kernel.model import LlamaConfig
+from common.loss_scaler import LossScaling
+
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --mixed-precision → compute dtype
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,7 @@ class Run:
     steps: int
     seed: int
     dtype: torch.dtype  # parameters, gradients' masters, optimizer state (float32 under mixed precision)
-    mixed_precision: str  # "none" | "bf16": bf16 compute, fp32 masters, fp32 reduction
+    mixed_precision: str  # "none" | "bf16" | "fp16": bf16/fp16 compute, fp32 masters, fp32 reduction
     optimizer: str  # adamw | sgd
     lr: float
     clip_grad: float | None  # the max global norm; None: no clipping
@@ -47,15 +50,16 @@ class Run:
     profile: str | None = None
     report: str | None = None
     observed_comm: bool = False
+    loss_scaling: LossScaling = field(default_factory=LossScaling)  # fp16's (torch GradScaler's defaults)
 
     @property
     def mixed(self) -> bool:
-        return self.mixed_precision == "bf16"
+        return self.mixed_precision in COMPUTE_DTYPES
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """What forward and backward run in: bf16 under mixed precision, else the parameters' dtype."""
-        return torch.bfloat16 if self.mixed else self.dtype
+        """What forward and backward run in: bf16/fp16 under mixed precision, else the parameters' dtype."""
+        return COMPUTE_DTYPES.get(self.mixed_precision, self.dtype)
 
     @property
     def dtype_name(self) -> str:
@@ -67,7 +71,8 @@ def resolve_run(args: argparse.Namespace, mesh: MeshShape, layout: BatchLayout, 
     """The Run of checked flags (common.cli.validate_common and the chapter's checks ran first):
     the shared flags as typed, the chapter's mesh, layout and options, and `resolved` in place of
     a shared flag the chapter resolved otherwise (03: clip_grad, mixed_precision and global_batch
-    from its DeepSpeed file)."""
+    from its DeepSpeed file). fp16's loss scaling has no flag (GradScaler's defaults); a test's
+    namespace may carry `loss_scaling`, as it carries a drawn `cfg`."""
     shared = dict(
         model=model_config(args), mesh=mesh, options=options, steps=args.steps, seed=args.seed,
         dtype=DTYPES[args.dtype], mixed_precision=args.mixed_precision, optimizer=args.optimizer,
@@ -75,5 +80,5 @@ def resolve_run(args: argparse.Namespace, mesh: MeshShape, layout: BatchLayout, 
         micro_batch=layout.micro_batch, grad_accum=layout.grad_accum, seq_len=args.seq_len,
         data=args.data, check=args.check, log_every=args.log_every,
         measure_activations=args.measure_activations, profile=args.profile, report=args.report,
-        observed_comm=args.observed_comm)
+        observed_comm=args.observed_comm, loss_scaling=getattr(args, "loss_scaling", None) or LossScaling())
     return Run(**(shared | resolved))

@@ -14,6 +14,8 @@ model and its `parallelize_*`): it fills `Strategy`'s hooks; a pipeline replaces
              (check) full_gradients(), full_parameters()          outside both, to rank 0
              step(): clip_grad_norm_(max_norm) if clip_grad; optimizer.step(); masters → model;
              zero_grad()                                          timed window, comm meter
+fp16 (common/loss_scaler.py): backward from s·loss, unscale at the end of forward_backward, step()
+agrees the overflow flag over `scaler_group` and skips or steps, then updates s (GradScaler's rule).
 
 A chapter's train.py is `run_main(parse_args, validate, build, chapter=N)`. `parse_args(argv)`
 gives the flags as typed. `validate(args, world_size)` runs on every rank before any collective
@@ -65,6 +67,7 @@ from common.dist import (
 )
 from common.kernel.clip import clip_grads_by_global_norm_
 from common.kernel.model import loss_fn
+from common.loss_scaler import DynamicLossScaler
 from common.memory import ActivationMeter, CudaPeakMeter, model_state_bytes
 from common.mixed_precision import MasterWeights
 from common.profile import profiler_or_nothing
@@ -92,6 +95,8 @@ class Strategy:
     optimizer: torch.optim.Optimizer | None = None
     clip_grad: float | None = None
     weights: MasterWeights | None = None
+    scaler: DynamicLossScaler | None = None  # fp16: dynamic loss scaling (else None)
+    scaler_group: object = None  # the ranks that agree the scaler's overflow flag (None: the world)
     comm_groups: tuple[tuple[str, object], ...] = ()  # (label, group): report's comm_bytes_<label>
 
     # --- the step, the same for every strategy (a pipeline overrides forward_backward) ----------
@@ -105,19 +110,27 @@ class Strategy:
         for i, tokens in enumerate(micro_batches):
             with self.no_sync() if i < k - 1 else nullcontext():
                 loss = self.micro_batch_loss(tokens) / k
-                loss.backward()
+                (loss if self.scaler is None else self.scaler.scale_loss(loss)).backward()
             losses.append(loss.detach())
         self.after_backward()
+        if self.scaler is not None:
+            self.scaler.unscale_(self.local_gradients())
         return torch.stack(losses).sum(dtype=torch.float64)
 
     def step(self) -> None:
         """Clip (if asked) by the global norm, apply the optimizer; in mixed precision copy the
-        fp32 masters back into the bf16 model."""
+        fp32 masters back into the bf16/fp16 model. fp16: every rank skips the step if any rank
+        of `scaler_group` found an inf or nan (one all-reduce of the flag, one host read)."""
+        if self.scaler is not None and self.scaler.skip_step(self.scaler_group):
+            self.scaler.update()
+            return
         if self.clip_grad is not None:
             self.clip_grad_norm_(self.clip_grad)
         self.optimizer.step()
         if self.weights is not None:
             self.weights.copy_to_model()
+        if self.scaler is not None:
+            self.scaler.update()
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -136,6 +149,10 @@ class Strategy:
     def after_backward(self) -> None:
         """After the last micro-batch's backward: the averaging the model's hooks did not do (a
         naive DP, TP's data-parallel group), gradients into fp32 masters. Default: nothing."""
+
+    def local_gradients(self) -> list[torch.Tensor]:
+        """What this rank's optimizer steps (the loss scaler unscales them): param groups' grads."""
+        return [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale every gradient by min(1, max_norm / ‖g‖), ‖g‖ the norm of the *whole* model's
@@ -271,14 +288,15 @@ def train(run: Run, ctx: DistContext, strategy: Strategy, chapter: int) -> dict:
     measured = Instruments(run, ctx, strategy)
     with measured.peak.exclude():  # the reference stays resident on rank 0 but is not the strategy's
         reference = (LockstepReference(run.model, run.seed, run.dtype, run.optimizer, run.lr, ctx.device,
-                                       clip_grad=run.clip_grad, mixed_precision=run.mixed_precision)
+                                       clip_grad=run.clip_grad, mixed_precision=run.mixed_precision,
+                                       loss_scaling=run.loss_scaling)
                      if run.check and ctx.is_main else None)
     log = ProgressLog(run.steps, run.global_batch * run.seq_len, run.log_every, ctx.device,
                       strategy.start_step)
     ran = run.steps - strategy.start_step  # a resumed run reports the steps it ran
     local_losses = torch.zeros(ran, 2, dtype=torch.float64, device=ctx.device)  # [loss, has one]
     profiler = profiler_or_nothing(run.profile, ctx.rank, ctx.device, strategy.start_step, run.steps)
-    memory = {}
+    memory, scaler = {}, strategy.scaler  # scaler: fp16 only
     for i, step in enumerate(range(strategy.start_step, run.steps)):
         tokens = data.global_batch(step, run.global_batch)
         micro = rank_micro_batches(strategy, tokens, run.micro_batch, ctx.device)
@@ -291,7 +309,7 @@ def train(run: Run, ctx: DistContext, strategy: Strategy, chapter: int) -> dict:
                 grads, params = strategy.full_gradients(), strategy.full_parameters()
                 if reference is not None:
                     with measured.peak.exclude():
-                        reference.step(tokens, grads, params)
+                        reference.step(tokens, grads, params, scaler and scaler.state_dict())
             del grads, params  # rank 0's gathered copies must not stay into the next window
         with measured.measure("step"), profiler.window(step, "step"):
             strategy.step()
@@ -326,6 +344,8 @@ def run_report(run: Run, ctx: DistContext, strategy: Strategy, chapter: int, mea
         **measured.wire.report(comm.bytes_sent),
         **{f"comm_bytes_{label}": comm.bytes_over(g) for label, g in strategy.comm_groups},
         "memory": memory, "memory_formula": memory_formula, **strategy.report_extras(),
+        **({} if strategy.scaler is None else {"loss_scale": strategy.scaler.get_scale(),
+                                                "skipped_steps": strategy.scaler.skipped_steps}),
     }
 
 
@@ -336,7 +356,7 @@ def check_verdict(ctx: DistContext, strategy: Strategy, reference: LockstepRefer
     params = strategy.full_parameters()
     verdict, passed = {}, torch.tensor([1], device=ctx.device)
     if reference is not None:
-        verdict = reference.finish(losses, params)
+        verdict = reference.finish(losses, params, strategy.scaler and strategy.scaler.state_dict())
         passed.fill_(int(verdict["check_passed"]))
     dist.broadcast(passed, src=0)
     return verdict | {"check_passed": bool(passed.item())}

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from common.cli import DTYPES
 from common.data import SyntheticTokens
 from common.kernel.model import LlamaConfig
+from common.loss_scaler import LossScaling
 from common.reference import (
     METRIC,
     TOLERANCE,
@@ -40,7 +41,8 @@ class TrainSpec:
     lr: float = 1e-2
     seed: int = 0
     clip_grad: float | None = None
-    mixed_precision: str = "none"  # "bf16": bf16 compute, fp32 master/reduce/optimizer (dtype float32)
+    mixed_precision: str = "none"  # "bf16"/"fp16": that compute, fp32 master/reduce/optimizer (float32)
+    loss_scaling: LossScaling = field(default_factory=LossScaling)  # fp16's scaler settings
     dp: int | None = None  # data-parallel size (default: world_size; TP and PP ranks share data)
 
     @property
@@ -96,6 +98,7 @@ class RunRecord:
     grads: list[dict[str, torch.Tensor]]
     params: dict[str, torch.Tensor]
     step_params: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    scaler_states: list[dict] = field(default_factory=list)  # fp16: each step's start, then the end's
 
 
 def reference_record(spec: TrainSpec) -> RunRecord:
@@ -121,20 +124,29 @@ def differences(record: RunRecord, reference: RunRecord,
     }
 
 
-def teacher_forced_differences(record: RunRecord, spec: TrainSpec) -> dict[str, float]:
+def lockstep_reference(spec: TrainSpec) -> LockstepReference:
+    return LockstepReference(spec.cfg, spec.seed, spec.torch_dtype, spec.optimizer, spec.lr,
+                             clip_grad=spec.clip_grad, mixed_precision=spec.mixed_precision,
+                             loss_scaling=spec.loss_scaling)
+
+
+def teacher_forced_differences(record: RunRecord, spec: TrainSpec,
+                               reference: LockstepReference | None = None) -> dict[str, float]:
     """`--check`'s verdict (common.reference.LockstepReference): each step the reference starts
     from the parameters the strategy started from, so one step's rounding is not compounded by
     AdamW's chaos into the next (in bf16 a 4e-3 gradient difference at step 1 became 7e-2 at step
-    2 on a dim-8 model, whatever the strategy)."""
-    reference = LockstepReference(spec.cfg, spec.seed, spec.torch_dtype, spec.optimizer, spec.lr,
-                                  clip_grad=spec.clip_grad, mixed_precision=spec.mixed_precision)
-    data = spec.data()
+    2 on a dim-8 model, whatever the strategy). fp16: and from its loss scale; a step whose scale
+    or skip differs from the reference's makes "loss_scale" infinite."""
+    reference = reference or lockstep_reference(spec)
+    data, states = spec.data(), record.scaler_states or [None] * (spec.steps + 1)
     for step in range(spec.steps):
         reference.step(data.global_batch(step, spec.global_batch), record.grads[step],
-                       record.step_params[step])
-    verdict = reference.finish(record.losses, record.params)
+                       record.step_params[step], states[step])
+    verdict = reference.finish(record.losses, record.params, states[-1])
+    scaled = ({"loss_scale": float("inf") if verdict["loss_scale_mismatches"] else 0.0}
+              if "loss_scale_mismatches" in verdict else {})
     return {"loss": verdict["max_loss_diff"], "grad": verdict["max_grad_diff"],
-            "param": verdict["max_param_diff"]}
+            "param": verdict["max_param_diff"], **scaled}
 
 
 def compare(record: RunRecord, spec: TrainSpec) -> dict[str, float]:
@@ -162,7 +174,7 @@ def train_strategy(spec: TrainSpec, factory: StrategyFactory, *args) -> RunRecor
     none); rank 0's record also carries the gathered gradients and final parameters."""
     strategy = factory(spec, *args)
     device = next(strategy.model.parameters()).device
-    data, losses, grads, step_params = spec.data(), [], [], []
+    data, losses, grads, step_params, states = spec.data(), [], [], [], []
     teacher_forced = spec.precision != torch.float64
     cpu = lambda tensors: {n: t.detach().cpu().clone() for n, t in tensors.items()}  # noqa: E731
     for step in range(spec.steps):
@@ -175,12 +187,16 @@ def train_strategy(spec: TrainSpec, factory: StrategyFactory, *args) -> RunRecor
             grads.append(cpu(full))
             if teacher_forced:
                 step_params.append(cpu(start))
+        if strategy.scaler is not None:
+            states.append(strategy.scaler.state_dict())
         strategy.step()
         strategy.zero_grad()
     params = strategy.full_parameters()
+    if strategy.scaler is not None:
+        states.append(strategy.scaler.state_dict())
     if dist.get_rank() != 0:
         return RunRecord(losses, [], {})
-    return RunRecord(losses, grads, cpu(params), step_params)
+    return RunRecord(losses, grads, cpu(params), step_params, states)
 
 
 def run_strategy(pools, spec: TrainSpec, factory: StrategyFactory, *args) -> RunRecord:
@@ -192,7 +208,8 @@ def run_strategy(pools, spec: TrainSpec, factory: StrategyFactory, *args) -> Run
         values = [r.losses[step] for r in records if r.losses[step] is not None]
         assert values, f"no rank reported a loss at step {step}"
         losses.append(sum(values) / len(values))
-    return RunRecord(losses, records[0].grads, records[0].params, records[0].step_params)
+    return RunRecord(losses, records[0].grads, records[0].params, records[0].step_params,
+                     records[0].scaler_states)
 
 
 def check_strategy(pools, spec: TrainSpec, factory: StrategyFactory, *args) -> dict[str, float]:
@@ -229,7 +246,8 @@ def spec_args(spec: TrainSpec, **chapter_flags) -> argparse.Namespace:
         lr=spec.lr, clip_grad=spec.clip_grad, mixed_precision=spec.mixed_precision,
         global_batch=spec.global_batch, micro_batch=spec.micro_batch, grad_accum=spec.grad_accum,
         seq_len=spec.seq_len, steps=spec.steps, data="synthetic", check=False, report=None,
-        log_every=0, measure_activations=None, profile=None, observed_comm=False, **chapter_flags)
+        log_every=0, measure_activations=None, profile=None, observed_comm=False,
+        loss_scaling=spec.loss_scaling, **chapter_flags)
 
 
 def spec_run(spec: TrainSpec, validate: Callable[[argparse.Namespace, int], Run], **chapter_flags) -> Run:

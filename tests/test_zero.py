@@ -438,8 +438,11 @@ def test_shipped_configs_parse_as_the_issue_writes_them():
     assert stage3.param_persistence_threshold == 100_000
     with pytest.raises(ZeroConfigError, match=r"unknown key\(s\) 'reduce_bucket_sise'; supported: stage"):
         parse_config({"zero_optimization": {"reduce_bucket_sise": 5}})
-    with pytest.raises(ZeroConfigError, match=r"fp16 needs loss scaling"):
-        parse_config({"fp16": {"enabled": True}})
+    assert parse_config({"fp16": {"enabled": True}}).fp16  # the loop's loss scaler, GradScaler's rule
+    with pytest.raises(ZeroConfigError, match=r"bf16 and config.fp16 are both enabled: pick one"):
+        parse_config({"fp16": {"enabled": True}, "bf16": {"enabled": True}})
+    with pytest.raises(ZeroConfigError, match=r"config.fp16 = .*supported form is \{\"enabled\""):
+        parse_config({"fp16": {"enabled": True, "hysteresis": 2}})  # DeepSpeed's scaler: not this one
     with pytest.raises(ZeroConfigError, match=r"device = 'nvme': supported devices are none, cpu"):
         parse_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
     assert padded_size(10, 4) == 12 and padded_size(12, 4) == 12

@@ -208,6 +208,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float16:  # rsqrt(v)'s backward, v^(-3/2)/2, is ~1e5 > 65504 for v ~ 4e-4:
+            y = x.float()             # fp16 normalizes in fp32 (Meta's LLaMA does for every dtype)
+            return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
