@@ -1,6 +1,6 @@
 """The code of this chapter's pictures: each figure's data from the code it shows, and its drawing
 (common/figures holds the drawing kernel; `make figures` writes them beside this file)."""
 
-from data_parallel.figures import lesson
+from data_parallel.figures import lesson, numerics
 
-FIGURES = [*lesson.FIGURES]
+FIGURES = [*lesson.FIGURES, *numerics.FIGURES]

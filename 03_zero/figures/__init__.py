@@ -1,6 +1,6 @@
 """The code of this chapter's pictures: each figure's data from the code it shows, and its drawing
 (common/figures holds the drawing kernel; `make figures` writes them beside this file)."""
 
-from zero.figures import lesson
+from zero.figures import lesson, recipes
 
-FIGURES = [*lesson.FIGURES]
+FIGURES = [*lesson.FIGURES, *recipes.FIGURES]
