@@ -59,7 +59,8 @@ def summary_table(report: dict, observed: bool = False) -> str:
     mesh = " × ".join(f"{k}={v}" for k, v in report["mesh"].items())
     losses = report["losses"]
     convention = report.get("comm_convention", "accounted (nccl-tests)")
-    precision = report["dtype"] + (" + bf16 mixed" if report.get("mixed_precision") == "bf16" else "")
+    mixed = report.get("mixed_precision", "none")
+    precision = report["dtype"] + (f" + {mixed} mixed" if mixed in ("bf16", "fp16") else "")
     lines = [
         f"chapter {report['chapter']} · {report['strategy']} · {mesh} · {report['backend']} on "
         f"{report['device']} · {precision} · {report['steps']} steps",
