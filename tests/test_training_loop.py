@@ -197,6 +197,9 @@ TWO_MICRO = ["--global-batch", "4", "--grad-accum", "2"]
     ("data_parallel.train", ["--strategy", "naive", *TWO_MICRO]),
     ("zero.train", ["--stage", "3", *TWO_MICRO]),
     ("fsdp.train", TWO_MICRO),
+    ("data_parallel.train", ["--mixed-precision", "fp16", *TWO_MICRO]),  # the loss scaler: unscale_
+    ("zero.train", ["--stage", "2", "--mixed-precision", "fp16", *TWO_MICRO]),  # checks on the device
+    ("fsdp.train", ["--mixed-precision", "fp16", *TWO_MICRO]),
     pytest.param("fsdp.train", ["--impl", "torch-fsdp2", *TWO_MICRO], marks=pytest.mark.skipif(
         fsdp2_unavailable("cpu") is not None, reason=str(fsdp2_unavailable("cpu")))),
     ("tensor_parallel.train", ["--tp", "2", *TWO_MICRO]),
