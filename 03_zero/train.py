@@ -152,7 +152,6 @@ class ZeroStrategy(Strategy):
         self.clip_grad, self.grad_norm = config.clip, None
         self.name = f"zero-{config.stage}" + ("-offload" if config.offload else "")
         self.dp_rank, self.dp_size = self.engine.rank, self.engine.world
-        self.mesh = {"dp": self.dp_size}
         self.optimizer_name, self.itemsize = run.optimizer, run.dtype.itemsize
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:

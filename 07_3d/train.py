@@ -70,13 +70,7 @@ from parallel3d.checkpoint.trainer import (
 )
 from parallel3d.clip import clip_grad_norm_3d
 from parallel3d.comm_formulas import comm_bytes_by_dim, cp_bytes_per_step, formulas_by_group, group_labels
-from parallel3d.experts import (
-    all_to_all_formula,
-    dispatch_logs,
-    expert_slices,
-    load_imbalance,
-    parallelize_moe_3d,
-)
+from parallel3d.experts import all_to_all_formula, dispatch_logs, expert_slices, load_imbalance
 from parallel3d.lr_schedule import warmup_cosine_scheduler
 from parallel3d.parallelize import (
     HYBRID,
@@ -309,8 +303,7 @@ class Parallel3DStrategy(Strategy):
         self.device_mesh = mesh = build_mesh(run.mesh, DIMS)
         meta = build_model(run.model, dtype=run.dtype, device="meta")
         moe = run.model.n_experts > 0
-        recipe = parallelize_moe_3d if moe else parallelize_3d  # MoE: + EP before FSDP (experts.py)
-        self.chunks, tp_specs = recipe(meta, mesh, parallel, ctx.device)
+        self.chunks, tp_specs = parallelize_3d(meta, mesh, parallel, ctx.device)  # MoE: + EP before FSDP
         slices = expert_slices(tp_specs, mesh, run.model.n_experts) if moe else None
         self.shards = shard_map(self.chunks, tp_specs, mesh, slices)  # which reference elements it holds
         # the report's bytes over each line of more than one rank, beside their formulas
@@ -328,12 +321,12 @@ class Parallel3DStrategy(Strategy):
         self.executor = PipelineExecutor(self.schedule, mesh.pp_rank, self.chunks, self.loss, shape,
                                          run.compute_dtype, ctx.device, mesh.pp_group)
         self.name = f"3d-{parallel.schedule}"
-        self.mesh, self.dp_rank, self.dp_size = mesh.as_dict(), mesh.dp_rank, mesh.dp
+        self.dp_rank, self.dp_size = mesh.dp_rank, mesh.dp
         self.rank3d = describe_rank(run.model, mesh, self.schedule, self.chunks, parallel, run.micro_batch,
                                     run.seq_len, run.compute_dtype, run.clip_grad is not None, run.optimizer)
         self.busy_s, self.steps_done, self.cp_sent = 0.0, 0, [0.0]  # cp_sent: counting_sends
         state = TrainerState(self.shards, self.optimizer, self.scheduler, ctx.device,
-                             {"mesh": self.mesh, "dtype": run.dtype_name,
+                             {"mesh": run.mesh.as_dict(), "dtype": run.dtype_name,
                               "mixed_precision": run.mixed_precision})
         self.checkpoints = Checkpointing(state, options.checkpoint, run.steps, mesh.rank, mesh.size)
         self.start_step = self.checkpoints.resume()
