@@ -72,7 +72,7 @@ COPY_SETS: dict[str, CopySet] = {
     "ZeroOptimizer": CopySet(
         "03_zero/README.md", "from zero.optimizer import ZeroOptimizer",
         ("03_zero/optimizer.py",),
-        ("03_zero/flat.py", "03_zero/offload.py", "03_zero/optimizer.py",
+        ("03_zero/arguments.py", "03_zero/flat.py", "03_zero/offload.py", "03_zero/optimizer.py",
          "03_zero/optimizer_state.py", "03_zero/sole_reducer.py", "common/kernel/clip.py",
          "common/kernel/collectives.py")),
     "FSDP": CopySet(
