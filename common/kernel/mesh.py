@@ -249,8 +249,8 @@ def _factorization(cls: type, varying: tuple[str, ...]) -> tuple[str, ...]:
     view = list(_registry(cls).factors)
     for dim, (span, rest) in _registry(cls).borrowed.items():
         if {dim, rest} & set(varying):
-            at = view.index(span[0]) if span[0] in view else -1
-            if tuple(view[at:at + len(span)]) != span:
+            at = view.index(span[0]) if span[0] in view else None
+            if at is None or tuple(view[at:at + len(span)]) != span:
                 raise MeshError(f"a line varying {varying} cuts {span} twice")
             view[at:at + len(span)] = [rest, dim]
     if missing := set(varying) - set(view):
