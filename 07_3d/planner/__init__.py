@@ -12,7 +12,8 @@ G GPUs of M GB, what each GPU holds, what it sends, and which one to pick.
 
 from parallel3d.planner.cli import main, parse_args
 from parallel3d.planner.hardware import ACHIEVED_EFFICIENCY, GPUS, gpu
-from parallel3d.planner.moe import MoEShape, all_to_all_bytes, moe_memory_per_gpu, moe_parameters, moe_shape
+from parallel3d.planner.memory import memory_per_gpu
+from parallel3d.planner.moe import MoEShape, all_to_all_bytes, moe_parameters, moe_shape
 from parallel3d.planner.pricing import (
     MODELS,
     MOE_MODELS,
@@ -53,6 +54,6 @@ __all__ = ["ACHIEVED_EFFICIENCY", "ARTICLE_TABLE", "BAND", "FIGURES", "GPUS", "L
            "Comparison", "Hardware", "MoEShape", "Plan", "PublishedRun", "all_to_all_bytes",
            "article_alternative", "article_report", "article_row", "article_scenario", "candidates",
            "compare", "complexity", "cp_verdict", "fastest_with_cp", "fastest_with_mesh", "format_plans",
-           "gpu", "main", "model_flops_per_token", "model_of", "moe_memory_per_gpu", "moe_parameters",
+           "gpu", "main", "memory_per_gpu", "model_flops_per_token", "model_of", "moe_parameters",
            "moe_shape", "parse_args", "plan", "price", "price_published", "published_report",
            "recommend", "recompute_fraction", "step_terms", "why_not"]
