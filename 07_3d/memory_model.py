@@ -8,7 +8,8 @@ Model states of the parameters ψ a GPU holds (its pipeline stage, TP-sharded):
 with bytes per parameter (w, g, o) = (2, 2, 4) in chapter 01's 8-byte reinterpretation of the
 source article's budget (fp16 weights, gradients and Adam m, v: 7B → 14 + 14 + 28 GB; the
 article's own words are read in 01_data_parallel/README.md), (2, 2, 12) in the mixed-precision recipe of the
-ZeRO paper (bf16 weights and grads, fp32 master + m + v), (4, 4, 8) in plain fp32.
+ZeRO paper (bf16 weights and grads, fp32 master + m + v), (4, 4, 8) in plain fp32, (2, 4, 8) in
+DeepSeek-V3's (fp32 gradients and master, Adam's m and v in bf16).
 
 Activations saved for backward per block are chapter 05's itemized count (tensor_parallel.formulas:
 e·(10h + 4F) + 2e + 4·a bytes per token without TP; TP splits the attention and MLP tensors, SP

@@ -2,8 +2,11 @@
 G GPUs of M GB, what each GPU holds, what it sends, and which one to pick.
 
     hardware.py        the GPUs' peaks and links, and the achieved efficiency: the constants
-    pricing.py         candidates, their memory / traffic / step time (memory_model), the pick: pure
-    moe.py             a mixture of experts: parameters, active compute, memory over EP, all-to-alls
+    pricing.py         candidates, their memory / traffic / step time, the pick: pure
+    saved.py           what a production framework saves per block, what each recomputation reruns
+    memory.py          each GPU's states and activations on the busiest pipeline rank
+    pipeline.py        the schedules' bubbles and micro-batches in flight (1F1B, DualPipe)
+    moe.py             a mixture of experts: parameters, active compute, EP's units, all-to-alls
     report.py          the table, why the pick beats another layout, the source article's comparison
     published_runs.py  published layouts and their measured throughput, with sources
     published.py       each priced at its own layout, predicted beside published (`--published`)

@@ -12,7 +12,7 @@ router sends every token to k, and S shared experts every token passes through; 
                  work, and the step waits
     memory       a GPU holds E/ep experts of each of its MoE blocks (TP-split like a dense FFN);
                  ZeRO shards them over the dp·cp/ep ranks holding the same experts, everything
-                 else over dp·cp, as in a dense model; optimizer state likewise
+                 else over dp·cp, as in a dense model; optimizer state likewise (memory.py)
     all-to-all   per MoE block and micro-batch, dispatch and combine, forward and backward: 4
                  all-to-alls of (ep-1)/ep · T·k·h·e bytes per rank (T tokens on the rank, balanced
                  routing); under skew the busiest rank's share, × skew (skew = max/mean tokens per

@@ -230,7 +230,7 @@ def candidates(cfg: LlamaConfig, gpus: int, global_batch: int, hw: Hardware, seq
                context_parallel=(1, 2, 4, 8, 16, 32), experts: int = 0,
                sequence_parallel: bool = True) -> list[Layout]:
     """Every layout the model and the cluster admit: TP inside a node dividing the heads, KV heads
-    and vocabulary; PP at most one block per stage (uneven stages allowed, as Llama 3's 126
+    and vocabulary; PP at least one block per stage (uneven stages allowed, as Llama 3's 126
     layers on 16 stages) and at least p micro-batches to fill them (fewer leave a bubble
     (p-1)/m ≥ 1); CP whose 2·cp zig-zag chunks divide the sequence; the global batch divisible
     by dp·micro-batch; interleaving needs the micro-batch count divisible by p; with `experts`

@@ -75,13 +75,15 @@ MEGATRON_CORE_2024 = Source(
 LLAMA3 = Source(
     "Llama Team, AI @ Meta, The Llama 3 Herd of Models", 2024,
     "Table 4 (GPUs, TP, CP, PP, tokens per batch, TFLOPs/GPU; as shown again in Balaji, Herding "
-    "Llamas, SC'24); sequence 8K, then 128K (section 3.4)",
+    "Llamas, SC'24); sequence 8K, then 128K (section 3.4); section 3.3.2: FSDP not resharded after "
+    "forward, one layer fewer on the first and last stages, no activation checkpointing at 8K",
     "https://arxiv.org/abs/2407.21783")
 TORCHTITAN_2024 = Source(
     "TorchTitan performance benchmarks, Llama 3.1 on H100 (Grand Teton, 500 W, 96 GB HBM2e)",
-    2024, "benchmarks/llama3_h100_202412_torchtitan.md, Tables 1, 3-5 (torchtitan 9dec370; "
-    "seq_len 8192 and the PP defaults, m = pp and 2 stages per rank when looped, from that "
-    "commit's train_configs and pipelining_utils.py)",
+    2024, "benchmarks/llama3_h100_202412_torchtitan.md, Tables 1, 3-5, TPS/GPU and Memory(GiB) "
+    "(torchtitan 9dec370; seq_len 8192 and the PP defaults, m = pp and 2 stages per rank when "
+    "looped, from that commit's train_configs and pipelining_utils.py; 'op' selective AC and no "
+    "FSDP reshard under PP from parallelisms/parallelize_llama.py)",
     "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md")
 TORCHTITAN_DOCS = Source(
     "TorchTitan docs/performance.md (FSDP2 on 64 A100 80GB; 405B on 128 H100 95GB)", 2024,
@@ -91,8 +93,9 @@ TORCHTITAN_DOCS = Source(
 DEEPSEEK_V3 = Source(
     "DeepSeek-AI, DeepSeek-V3 Technical Report", 2024,
     "README (2.664M H800 GPU hours for pre-training on 14.8T tokens); report section 3.2 (PP 16, "
-    "EP 64 over 8 nodes, ZeRO-1 DP, no TP, DualPipe; confirmed in deepseek-ai/DeepEP's issue tracker) "
-    "and 4.2 (sequence 4K, batch 3072 → 15360 sequences)",
+    "EP 64 over 8 nodes, ZeRO-1 DP, no TP, DualPipe and its Table 2; confirmed in deepseek-ai/DeepEP's "
+    "issue tracker), 3.2.3 and 3.3.2 (recomputed RMSNorm and MLA up-projections, FP8 activations, "
+    "bf16 Adam moments, fp32 gradients) and 4.2 (sequence 4K, batch 3072 → 15360 sequences)",
     "https://arxiv.org/abs/2412.19437")
 
 SHAPES: dict[str, LlamaConfig] = {
@@ -186,4 +189,9 @@ LEFT_OUT = (
     "torchtitan Tables 2 and 6 (CP 1-8 at 32K-256K): Float8, and the sequence sweep adds nothing "
     "the 128K Llama 3 row does not",
     "DeepSeek-V3's MFU: not published; its GPU hours give tokens/s per GPU only",
+    "DeepSeek-V3's node-limited routing, FP8 dispatch, multi-token-prediction block and the SMs "
+    "its all-to-alls take: not priced; its FP8 matmuls priced at the bf16 peak",
+    "fp32 gradient reduction (Llama 3, torchtitan's default reduce dtype): priced in bf16",
+    "Llama 3's interleaved schedule with a tunable N (§3.3.2): priced with Megatron's N = p, "
+    "which puts its 8K-GPU stage at 84 GB of 80",
 )
