@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from common.kernel.model import LlamaConfig, build_model
-from parallel3d.memory_model import GB, layer_activation_bytes
+from parallel3d.memory_model import GB, Layout, head_activation_bytes, layer_activation_bytes
 from parallel3d.planner import BAND, MODELS, RUNS, compare, pipeline, price_published
+from parallel3d.planner.memory import head_bytes
 from parallel3d.planner.pipeline import bubble_s, check_schedule, in_flight
 from parallel3d.planner.published import (
     FIT_MARKER,
@@ -160,10 +161,10 @@ def test_priced_memory_is_below_what_torchtitan_measured():
                                          (MODELS["llama2-7b"], 1, False),
                                          (MODELS["llama3.1-70b"], 4, False)])
 def test_production_count_is_the_ledgers_less_three_kernels(cfg, t, sp):
-    """The planner's count (saved.py) against chapter 05's, which the ledger measures on this
-    LLaMA: less RMSNorm's x·r (a fused norm saves its input and 1/rms), SwiGLU's product
-    (saved once, as w2's input) and, with flash attention, the GQA repeat: 3h/t → (1 + 2·n_kv/
-    n_h)·h/t, 8.2% of Llama 3 405B's SP block at t = 8."""
+    """The planner's count (saved.py, memory.py's head) against chapter 05's, which the ledger
+    measures on this LLaMA: less RMSNorm's x·r (a fused norm saves its input and 1/rms), SwiGLU's
+    product (saved once, as w2's input) and, with flash attention, the GQA repeat: 3h/t → (1 +
+    2·n_kv/n_h)·h/t, 8.2% of Llama 3 405B's SP block at t = 8."""
     h, a, kv, e = cfg.dim, cfg.n_heads, cfg.n_kv_heads, 2
     local = 1 / t if sp else 1
     repeat = (3 - 1 - 2 * kv / a) * h / t * e
@@ -175,6 +176,9 @@ def test_production_count_is_the_ledgers_less_three_kernels(cfg, t, sp):
     if t == 8:
         assert repeat / (layer_activation_bytes(cfg, 4096, 4096, t, sp, "none", e) / 4096) == \
             pytest.approx(0.082, abs=0.001)
+    layout = Layout(tp=t, sequence_parallel=sp)  # the head: the fused final norm keeps no x·r
+    assert head_activation_bytes(cfg, 4096, 4096, t, sp, e) - head_bytes(cfg, layout, 4096, e, None) \
+        == pytest.approx(4096 * h * local * e, rel=1e-9)
 
 
 @pytest.mark.skipif(torch.__version__ < "2.5", reason="SDPA's enable_gqa is torch 2.5+")
