@@ -42,10 +42,10 @@ def pair_s(compute: float, all_to_alls: float) -> float:
     return max(compute, all_to_alls)
 
 
-# --- the closed forms: read from chapter 06's registry once it has DualPipe -----------------
-# `pipeline.schedules` (chapter 06) is being rebuilt with dualpipe/dualpipev entries and their
-# Table 2 bubbles. Until it lands, the two DualPipe formulas live here, in these two functions
-# only; when it lands, both read the registry and the formulas here are deleted.
+# --- the closed forms: chapter 06's registry's, once it carries DualPipe ---------------------
+# Chapter 06's registry (`pipeline.schedules.SCHEDULES`) does not list DualPipe yet. Until it
+# does, DualPipe's two closed forms live here, in these two functions only; then both read the
+# registry's entry (its Table 2 bubble, its in-flight count) and the formulas here go.
 
 def bubble_s(schedule: str, p: int, v: int, F: float, B: float, W: float, FB: float) -> float:
     """Idle seconds per rank per step (the table above; 0 without a pipeline)."""
