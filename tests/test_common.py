@@ -139,7 +139,9 @@ def test_report_prints_json_as_last_line_without_the_per_step_arrays(tmp_path, c
               "losses": [2.0 - i / 100 for i in range(steps)],
               "reference_losses": [2.0 - i / 100 for i in range(steps)], "tokens_per_s": 10.0,
               "comm": {}, "comm_bytes_per_rank": 100.0, "comm_bytes_formula": 50.0,
-              "memory": {"params": 8}, "memory_formula": {"params": 8}, "ranks": [0, 1]}
+              "memory": {"params": 8}, "memory_formula": {"params": 8}, "ranks": [0, 1],
+              "check_passed": True, "tolerance": 1e-10, "max_loss_diff": 0.0, "max_grad_diff": 0.0,
+              "max_param_diff": 0.0}
     emit_report(report, str(tmp_path / "r.json"))
     out = capsys.readouterr().out.strip().splitlines()
     printed, written = json.loads(out[-1]), json.loads((tmp_path / "r.json").read_text())
