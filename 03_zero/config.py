@@ -8,9 +8,16 @@ and how they map onto ZeroOptimizer's keyword arguments (`optimizer_arguments`).
      "train_micro_batch_size_per_gpu": 2}
 
 The names and meanings follow DeepSpeed's documentation (bucket sizes count *elements*, not bytes;
-`gradient_clipping: 0` means no clipping). Any key or value outside the tables below is an error
-that lists what is supported, so a typo (`"stage": "2"`, `"reduce_bucket_sise"`) cannot silently
-fall back to a default. Depends on nothing but the standard library.
+`gradient_clipping: 0` means no clipping). Its documented stage-3 names are accepted:
+`stage3_param_persistence_threshold` is `param_persistence_threshold` (the article's spelling,
+which DeepSpeed also reads); `stage3_prefetch_bucket_size`, `stage3_max_live_parameters`,
+`stage3_max_reuse_distance` and `stage3_gather_16bit_weights_on_model_save` tune DeepSpeed's
+prefetcher and saving: validated and echoed in the report, they change nothing here (this engine
+prefetches one unit ahead and holds at most two gathered; the numbers do not depend on either).
+A stage-3 key under another stage is an error, as it would do nothing. Any key or value outside
+the tables below is an error that lists what is supported, so a typo (`"stage": "2"`,
+`"reduce_bucket_sise"`) cannot silently fall back to a default. Depends on nothing but the
+standard library.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ class ZeroConfig:
     gradient_clipping: float = 0.0
     train_micro_batch_size_per_gpu: int | None = None
     train_batch_size: int | None = None
+    stage3_tuning: tuple[tuple[str, int | bool], ...] = ()  # DeepSpeed's knobs: echoed, no effect
 
     @property
     def clip(self) -> float | None:
@@ -86,7 +94,15 @@ ZERO_KEYS = {
     "param_persistence_threshold": _nonnegative_int,
     "offload_optimizer": None,  # sections, checked by _offload
     "offload_param": None,
+    "stage3_param_persistence_threshold": _nonnegative_int,  # DeepSpeed's documented name
+    "stage3_prefetch_bucket_size": _positive_int,
+    "stage3_max_live_parameters": _positive_int,
+    "stage3_max_reuse_distance": _nonnegative_int,
+    "stage3_gather_16bit_weights_on_model_save": _bool,
 }
+PERSISTENCE = ("param_persistence_threshold", "stage3_param_persistence_threshold")
+STAGE3_TUNING = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+                 "stage3_gather_16bit_weights_on_model_save")
 TOP_KEYS = {
     "zero_optimization": None,
     "bf16": None,
@@ -154,6 +170,14 @@ def parse_config(raw: dict) -> ZeroConfig:
     opt_device, pin_opt = _offload(zero.get("offload_optimizer", {}), "zero_optimization.offload_optimizer")
     par_device, pin_par = _offload(zero.get("offload_param", {}), "zero_optimization.offload_param")
     stage = zero.get("stage", 0)
+    stage3_keys = sorted(k for k in zero if k.startswith("stage3_"))
+    if stage3_keys and stage != 3:
+        raise ZeroConfigError(f"zero_optimization.{stage3_keys[0]} with stage {stage}: stage-3 keys "
+                              "configure stage 3 only; use stage 3 or drop them")
+    if all(k in zero for k in PERSISTENCE) and float(zero[PERSISTENCE[0]]) != float(zero[PERSISTENCE[1]]):
+        raise ZeroConfigError(f"zero_optimization sets both {PERSISTENCE[0]} = {zero[PERSISTENCE[0]]!r} and "
+                              f"{PERSISTENCE[1]} = {zero[PERSISTENCE[1]]!r}: one name, one value")
+    persistence = next((zero[k] for k in PERSISTENCE if k in zero), 100_000)
     if par_device != "none" and stage != 3:
         raise ZeroConfigError(f"zero_optimization.offload_param with stage {stage}: only stage 3 "
                               "partitions parameters; use stage 3 or drop offload_param")
@@ -165,12 +189,14 @@ def parse_config(raw: dict) -> ZeroConfig:
         contiguous_gradients=zero.get("contiguous_gradients", True),
         reduce_bucket_size=as_int("reduce_bucket_size", 500_000_000),
         allgather_bucket_size=as_int("allgather_bucket_size", 500_000_000),
-        param_persistence_threshold=as_int("param_persistence_threshold", 100_000),
+        param_persistence_threshold=int(persistence),
         offload_optimizer=opt_device, offload_param=par_device, pin_memory=pin_opt and pin_par,
         gradient_accumulation_steps=top_int("gradient_accumulation_steps"),
         gradient_clipping=float(raw.get("gradient_clipping", 0.0)),
         train_micro_batch_size_per_gpu=top_int("train_micro_batch_size_per_gpu"),
         train_batch_size=top_int("train_batch_size"),
+        stage3_tuning=tuple((k, zero[k] if isinstance(zero[k], bool) else int(zero[k]))
+                            for k in STAGE3_TUNING if k in zero),
     )
 
 
@@ -204,7 +230,7 @@ def to_dict(config: ZeroConfig) -> dict:
             "allgather_bucket_size": config.allgather_bucket_size,
             "param_persistence_threshold": config.param_persistence_threshold,
             "offload_optimizer": {"device": config.offload_optimizer},
-            "offload_param": {"device": config.offload_param}}
+            "offload_param": {"device": config.offload_param}, **dict(config.stage3_tuning)}
     out = {"bf16": {"enabled": config.bf16}, "zero_optimization": zero,
            "gradient_clipping": config.gradient_clipping}
     for key in ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "train_batch_size"):

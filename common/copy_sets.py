@@ -124,7 +124,7 @@ COPY_SETS: dict[str, CopySet] = {
         "from parallel3d.checkpoint.load import load_checkpoint",
         ("07_3d/checkpoint/save.py", "07_3d/checkpoint/load.py", "07_3d/checkpoint/state.py"),
         ("07_3d/checkpoint/load.py", "07_3d/checkpoint/reshard.py", "07_3d/checkpoint/save.py",
-         "07_3d/checkpoint/state.py")),
+         "07_3d/checkpoint/state.py", "07_3d/checkpoint/untrusted.py")),
 }
 
 

@@ -1,5 +1,7 @@
 """The run report: one JSON object that rank 0 prints as its last line (and `--report` writes),
-after a short human-readable table of the same numbers."""
+after a short human-readable table of the same numbers. The printed line leaves out the per-step
+arrays (`losses`, `reference_losses`: a list per step, 2-5 KB over a long run) and names them in
+`per_step`; the file `--report PATH` writes holds them too."""
 
 from __future__ import annotations
 
@@ -119,17 +121,29 @@ def summary_table(report: dict, observed: bool = False) -> str:
     return "\n".join(lines)
 
 
+def per_step_keys(report: dict) -> list[str]:
+    """The keys whose values are one number per step (a list as long as `steps`)."""
+    steps = report.get("steps")
+    return [k for k, v in report.items() if isinstance(v, list) and steps and len(v) == steps
+            and all(x is None or isinstance(x, (int, float)) for x in v)]
+
+
+def printed_line(report: dict) -> dict:
+    """The report without its per-step arrays, which `per_step` names (in `--report PATH`'s file)."""
+    moved = per_step_keys(report)
+    return {k: v for k, v in report.items() if k not in moved} | ({"per_step": moved} if moved else {})
+
+
 def emit_report(report: dict, path: str | None = None, observed: bool = False) -> None:
     """Print the table (`observed`: with gloo's own byte rows), then the JSON as the very last
-    line, which always holds every figure; write it to `path` if given."""
+    line, without the per-step arrays; write the whole report to `path` if given."""
     missing = [k for k in ("chapter", "strategy", "world_size", "mesh", "losses") if k not in report]
     if missing:
         raise ValueError(f"report lacks {missing}")
     ordered = {k: report[k] for k in REPORT_KEYS if k in report}
     ordered.update({k: v for k, v in report.items() if k not in ordered})
     print(summary_table(ordered, observed), flush=True)
-    line = json.dumps(ordered)
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(line + "\n")
-    print(line, flush=True)
+        Path(path).write_text(json.dumps(ordered) + "\n")
+    print(json.dumps(printed_line(ordered)), flush=True)

@@ -130,14 +130,25 @@ def test_backend_follows_the_environment(monkeypatch):
     assert pick_backend() == ("nccl" if torch.cuda.is_available() else "gloo")
 
 
-def test_report_prints_json_as_last_line(tmp_path, capsys):
+def test_report_prints_json_as_last_line_without_the_per_step_arrays(tmp_path, capsys):
+    """The printed line is for programs: every figure but the per-step arrays (2-5 KB over a long
+    run), which it names in `per_step`; the --report file holds the whole report."""
+    steps = 20
     report = {"chapter": 1, "strategy": "ddp", "world_size": 2, "mesh": {"dp": 2}, "backend": "gloo",
-              "device": "cpu", "dtype": "float32", "steps": 1, "losses": [2.0], "tokens_per_s": 10.0,
+              "device": "cpu", "dtype": "float32", "steps": steps,
+              "losses": [2.0 - i / 100 for i in range(steps)],
+              "reference_losses": [2.0 - i / 100 for i in range(steps)], "tokens_per_s": 10.0,
               "comm": {}, "comm_bytes_per_rank": 100.0, "comm_bytes_formula": 50.0,
-              "memory": {"params": 8}, "memory_formula": {"params": 8}}
+              "memory": {"params": 8}, "memory_formula": {"params": 8}, "ranks": [0, 1],
+              "check_passed": True, "tolerance": 1e-10, "max_loss_diff": 0.0, "max_grad_diff": 0.0,
+              "max_param_diff": 0.0}
     emit_report(report, str(tmp_path / "r.json"))
     out = capsys.readouterr().out.strip().splitlines()
-    assert json.loads(out[-1]) == report == json.loads((tmp_path / "r.json").read_text())
+    printed, written = json.loads(out[-1]), json.loads((tmp_path / "r.json").read_text())
+    assert written == report
+    assert printed == {k: v for k, v in report.items() if "losses" not in k} | {
+        "per_step": ["losses", "reference_losses"]}
+    assert len(out[-1]) < 600 < len(json.dumps(report))
     assert any("comm accounted (nccl-tests convention)" in line and "2.0000" in line for line in out)
     assert not any("written by gloo" in line for line in out)  # no observed row without a wire meter
 

@@ -24,6 +24,7 @@ from common.forkrun import torchrun_forked
 from common.kernel.model import build_model, get_config, loss_fn
 from common.kernel.patch import patch_dist
 from common.reference import TOLERANCE
+from common.report import printed_line
 from common.run import Run
 from common.training import build_and_train
 from data_parallel import DistributedDataParallel, assign_buckets
@@ -271,7 +272,7 @@ def test_torchrun_check_exits_zero_with_json_report(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["max_param_diff"] <= 1e-10 and report["check_passed"]
-    assert json.loads((tmp_path / "r.json").read_text()) == report
+    assert printed_line(json.loads((tmp_path / "r.json").read_text())) == report
 
 
 def test_launch_without_torchrun_is_a_clear_error():

@@ -7,6 +7,7 @@ each figure is drawn from the code: tests/test_figures.py."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -64,3 +65,15 @@ def test_the_front_page_path_meets_every_page_in_reading_order() -> None:
     for chapter in CHAPTERS:
         assert all(where[p] > where[chapter / "README.md"] for p in pages(chapter)), (
             f"a page of {chapter.name} comes before its lesson on the front page's path")
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda c: c.name)
+def test_committed_notebook_outputs_name_no_machine_path(chapter: Path) -> None:
+    """A committed output printing the author's absolute path (a home, a checkout) says nothing to
+    a reader and leaks the machine it ran on."""
+    notebook = json.loads((chapter / "lesson.ipynb").read_text(encoding="utf-8"))
+    def text(out: dict) -> str:
+        return "".join(out.get("text", "")) + "".join(out.get("data", {}).get("text/plain", ""))
+    leaks = [(i, m.group(0)) for i, cell in enumerate(notebook["cells"]) for out in cell.get("outputs", [])
+             for m in re.finditer(r"(?<![\w.])/(work|home|root|tmp|Users|private|mnt)/[\w./-]+", text(out))]
+    assert not leaks, f"{chapter.name}/lesson.ipynb prints machine paths (cell, path): {leaks[:3]}"

@@ -34,6 +34,7 @@ from common.forkrun import torchrun_forked
 from common.kernel.collectives import all_gather_single
 from common.kernel.model import get_config
 from common.kernel.p2p_plan import P2PRecorder, as_op, find_deadlock, plan_from_records
+from common.report import printed_line
 from common.training import build_and_train
 from ring_allreduce import bench as ring_bench
 from ring_allreduce import ring as ring_module
@@ -771,7 +772,7 @@ def test_torchrun_check_exits_zero_with_json_report(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["check_passed"] and report["ring_vs_builtin"]["passed"]
-    assert json.loads((tmp_path / "r.json").read_text()) == report
+    assert printed_line(json.loads((tmp_path / "r.json").read_text())) == report
 
 
 @pytest.mark.parametrize("script", ["train.py", "bench.py"])

@@ -32,7 +32,7 @@ from tests.equivalence import (
 from tests.harness import RankError, examples
 from zero import ZeroConfig, ZeroEngine, module_units, offload, padded_size
 from zero import train as zero_train
-from zero.config import ZeroConfigError, load_config, parse_config
+from zero.config import ZeroConfigError, load_config, parse_config, to_dict
 from zero.offload import host_step_threads, pinned_empty
 
 CONFIGS = zero_train.__file__.replace("train.py", "configs")
@@ -443,6 +443,25 @@ def test_shipped_configs_parse_as_the_issue_writes_them():
     with pytest.raises(ZeroConfigError, match=r"device = 'nvme': supported devices are none, cpu"):
         parse_config({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
     assert padded_size(10, 4) == 12 and padded_size(12, 4) == 12
+
+
+def test_deepspeeds_documented_stage3_keys_are_accepted():
+    """DeepSpeed's documentation spells the stage-3 knobs stage3_*; the article spells one without."""
+    documented = parse_config({"zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 1e4, "stage3_prefetch_bucket_size": 5e8,
+        "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True}})
+    assert documented.param_persistence_threshold == 10_000
+    assert dict(documented.stage3_tuning)["stage3_prefetch_bucket_size"] == 500_000_000
+    assert to_dict(documented)["zero_optimization"]["stage3_max_live_parameters"] == 1_000_000_000
+    with pytest.raises(ZeroConfigError, match=r"stage3_prefetch_bucket_size with stage 2: stage-3 keys"):
+        parse_config({"zero_optimization": {"stage": 2, "stage3_prefetch_bucket_size": 5e8}})
+    with pytest.raises(ZeroConfigError, match=r"sets both param_persistence_threshold = 5 and "
+                                              r"stage3_param_persistence_threshold = 6: one name"):
+        parse_config({"zero_optimization": {"stage": 3, "param_persistence_threshold": 5,
+                                            "stage3_param_persistence_threshold": 6}})
+    with pytest.raises(ZeroConfigError, match=r"stage3_max_live_parameters = -1: must be a positive"):
+        parse_config({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": -1}})
 
 
 def validate_argv(argv: list[str]) -> Run:

@@ -334,8 +334,8 @@ def config_draw(data: dict):
         a, b = row["effects"]
         ax.text(cols[4], i + 0.5, a if a == b else f"{a} / {b}", fontsize=6.8, va="center")
         ax.plot([-0.12, 10], [i + 1, i + 1], color="#E5E5E5", lw=0.5)
-    ax.set_title("The article's DeepSpeed configs, read by config.py: every key keeps DeepSpeed's name and "
-                 "meaning", loc="left")
+    ax.set_title("The article's DeepSpeed configs, read by config.py: every key means what it means in "
+                 "DeepSpeed", loc="left")
     return fig
 
 

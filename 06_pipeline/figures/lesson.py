@@ -62,17 +62,23 @@ def draw_timeline(ax, t: dict, title: str, legend: bool = True, label_mb: bool =
 # --- the problem: one batch keeps one GPU busy; micro-batches fill the pipe -------------------------
 
 def microbatching_data(p: int = 4, m: int = 8) -> dict:
-    return {"one": timeline_data("gpipe", p, 1), "many": timeline_data("gpipe", p, m)}
+    """The whole batch at once, and cut into m micro-batches that each cost 1/m of it (times in
+    units of the whole batch's forward on one stage, so the two rows share one axis)."""
+    many = timeline_data("gpipe", p, m)
+    many["bars"] = [[r, k, mb, c, s / m, e / m] for r, k, mb, c, s, e in many["bars"]]
+    return {"one": timeline_data("gpipe", p, 1), "many": many}
 
 
 def microbatching_draw(data: dict):
     one, many = data["one"], data["many"]
     fig, (a, b) = draw.figure(height=3.6, nrows=2, gridspec_kw={"height_ratios": [1, 1]})
-    span = max(b_[5] for b_ in many["bars"])
+    span = max(b_[5] for b_ in one["bars"] + many["bars"])
     draw_timeline(a, one, f"one batch through p = {one['p']} stages", label_mb=False)
-    draw_timeline(b, many, f"the batch cut into m = {many['m']} micro-batches (GPipe)")
+    draw_timeline(b, many, f"the batch cut into m = {many['m']} micro-batches (GPipe), each 1/m of it")
     a.set_xlim(0, span)
+    b.set_xlim(0, span)
     a.set_xlabel("")
+    b.set_xlabel("time (the whole batch's forward on one stage = 1)")
     fig.suptitle("Pipeline parallelism: white is idle. Cutting the batch into micro-batches keeps "
                  "the stages busy at once", x=0.01, ha="left", fontsize=10, fontweight="bold")
     fig.tight_layout(rect=(0, 0, 1, 0.97))

@@ -2,10 +2,12 @@
 
     resolve     root/latest → root/step-N (or step-N itself); each way it is not a committed
                 checkpoint (missing, empty, partial, mid-write) is one line naming the path
-    check       metadata.json's own checksum and format; the model config the caller expects;
-                every listed file present at its recorded size (a truncated file is named here)
-    plan        per requested tensor: its global shape must match; the saved pieces whose region
-                overlaps the requested one must cover it
+    check       metadata.json's own checksum and format; every name and number in it, as
+                untrusted input (untrusted.py: files inside the directory, real dtypes, pieces
+                inside their files and tensors); the model config the caller expects; every
+                listed file present at its recorded size (a truncated file is named here)
+    plan        per requested tensor: its global shape must match and its dtype be castable; the
+                saved pieces whose region overlaps the requested one must cover it
     read        each needed piece: seek, read its bytes, check its crc32, copy the overlap
                 (a piece equal to the request is read straight into the target's memory)
 
@@ -41,6 +43,7 @@ from .save import (
     as_shard,
     list_checkpoints,
 )
+from .untrusted import check_metadata, dtype_of, latest_target, member
 
 
 @dataclass
@@ -69,7 +72,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return path
     latest = _read_latest(path)
     if latest is not None:
-        target = path / latest
+        target = latest_target(path, latest)
         if not target.is_dir():
             raise CheckpointError(f"{path / LATEST} names {latest}, which does not exist")
         if not (target / METADATA).exists():
@@ -132,7 +135,7 @@ def check_config(directory: Path, meta: dict, config: dict | None) -> None:
 def check_files(directory: Path, meta: dict) -> None:
     """Every shard file listed is there, at the size recorded (catches a missing or truncated file)."""
     for name, info in meta["files"].items():
-        path = directory / name
+        path = member(directory, name)
         if not path.is_file():
             raise CheckpointError(f"shard file {path} is missing (listed in {METADATA})")
         size = path.stat().st_size
@@ -155,6 +158,10 @@ def plan_reads(directory: Path, meta: dict, targets: dict[str, Shard]) -> list[t
                                   f"run asks for {list(region.global_shape)}")
         if (problem := region.check()) is not None:
             raise CheckpointError(f"cannot load {name!r}: {problem}")
+        saved = dtype_of(info["dtype"], f"{directory / METADATA}: {name!r}")
+        if saved.is_floating_point != shard.tensor.dtype.is_floating_point:
+            raise CheckpointError(f"{directory / METADATA}: {name!r} is saved as {saved}, this run asks "
+                                  f"for {shard.tensor.dtype}: not the same kind of number")
         pieces, covered = [], 0
         for p in info["pieces"]:
             shared = overlap_numel(region, Region.from_json(info["shape"], p))
@@ -182,12 +189,12 @@ def _read(directory: Path, meta: dict, reads: list[tuple]) -> None:
     try:
         with torch.no_grad():
             for name, shard, pieces in reads:
-                dtype = getattr(torch, meta["tensors"][name]["dtype"])
+                dtype = dtype_of(meta["tensors"][name]["dtype"], name)
                 region, target = shard.region, shard.tensor.detach()
                 direct = target.device.type == "cpu" and target.is_contiguous()
                 flat = target.view(-1) if direct else torch.empty(target.numel(), dtype=target.dtype)
                 for p in pieces:
-                    path = directory / p["file"]
+                    path = member(directory, p["file"])
                     f = files.get(p["file"]) or files.setdefault(p["file"], open(path, "rb"))  # noqa: SIM115
                     source = Region.from_json(region.global_shape, p)
                     if direct and source == region and dtype == target.dtype:
@@ -207,6 +214,7 @@ def open_checkpoint(path: str | Path, config: dict | None = None) -> tuple[Path,
     """Resolve, read and check a checkpoint without reading any tensor: (directory, metadata)."""
     directory = resolve_checkpoint(path)
     meta = read_metadata(directory)
+    check_metadata(directory, meta)
     check_config(directory, meta, config)
     check_files(directory, meta)
     return directory, meta
@@ -244,7 +252,7 @@ def read_full(path: str | Path, names=None, *, config: dict | None = None,
     names = [n for n in tensors if n.startswith(prefix)] if names is None else list(names)
     if missing := [n for n in names if n not in tensors]:
         raise CheckpointError(f"{directory / METADATA} has no tensor {missing[0]!r}")
-    out = {n: torch.empty(tensors[n]["shape"], dtype=getattr(torch, tensors[n]["dtype"])) for n in names}
+    out = {n: torch.empty(tensors[n]["shape"], dtype=dtype_of(tensors[n]["dtype"], n)) for n in names}
     _read(directory, meta, plan_reads(directory, meta, {n: as_shard(t) for n, t in out.items()}))
     return out, meta
 
@@ -255,7 +263,7 @@ def verify_checkpoint(path: str | Path) -> Path:
     directory, meta = open_checkpoint(path)
     for name, info in meta["files"].items():
         crc = 0
-        with open(directory / name, "rb") as f:
+        with open(member(directory, name), "rb") as f:
             while chunk := f.read(1 << 24):
                 crc = zlib.crc32(chunk, crc)
         if crc != info["crc32"]:
