@@ -18,11 +18,12 @@ CHAPTERS := 1 2 3 4 5 6 7
 RUNS     := $(addprefix run-,$(CHAPTERS))
 BENCHES  := $(addprefix bench-,$(CHAPTERS))
 TESTS    := $(addprefix test-,$(CHAPTERS) common checkpoints notebooks labs benches moe)
-.PHONY: figures figures-check lab-check setup test test-fast test-thorough $(TESTS) lint notebooks lab bench bench-5-cp bench-5-ep gpu-check clean help $(RUNS) $(BENCHES)
+.PHONY: figures figures-check lab-check setup test test-fast test-thorough $(TESTS) lint notebooks lab bench bench-5-cp bench-5-ep run-5-ep gpu-check clean help $(RUNS) $(BENCHES)
 
 help:
 	@echo "make test            create .venv, install, run the equivalence suite (CI runs this)"
 	@echo "make run-N           launch chapter N with torchrun (NPROC=…, ARGS=\"--steps 50 …\")"
+	@echo "make run-5-ep        chapter 5's MoE demo: expert parallelism (05_tensor_parallel/train_expert.py)"
 	@echo "make bench-N         chapter N's benchmark against torch's built-in equivalent"
 	@echo "make bench-5-cp      context parallelism: ring attention vs the all-gather variant"
 	@echo "make bench-5-ep      expert parallelism: all-to-all vs an all-gather baseline vs replicated experts"
@@ -101,6 +102,12 @@ $(RUNS): run-%: $(SETUP)
 	n="$(NPROC)"; [ -n "$$n" ] || n=$$($(PY) -m common.dist --nproc $*); \
 	echo "torchrun --standalone --nproc-per-node $$n $${dir}train.py $(ARGS)"; \
 	$(PY) -m torch.distributed.run --standalone --nproc-per-node $$n $${dir}train.py $(ARGS)
+
+# run-5-ep: chapter 5's second demo, a mixture-of-experts model under expert parallelism (and TP).
+run-5-ep: $(SETUP)
+	@n="$(NPROC)"; [ -n "$$n" ] || n=$$($(PY) -m common.dist --nproc 5); \
+	echo "torchrun --standalone --nproc-per-node $$n 05_tensor_parallel/train_expert.py $(ARGS)"; \
+	$(PY) -m torch.distributed.run --standalone --nproc-per-node $$n 05_tensor_parallel/train_expert.py $(ARGS)
 
 $(BENCHES): bench-%: $(SETUP)
 	@dir=$$(ls -d 0$*_*/ | head -1); test -f "$$dir/bench.py" || { echo "chapter $* has no bench.py yet"; exit 2; }; \

@@ -81,7 +81,7 @@ class DataParallelStrategy(Strategy):
         self.weights = MasterWeights(module.parameters(), enabled=self.mixed)
         self.optimizer = make_optimizer(self.weights.master, run.optimizer, run.lr)
         self.name, self.clip_grad = run.options.strategy, run.clip_grad
-        self.mesh, self.dp_rank, self.dp_size = {"dp": ctx.world_size}, ctx.rank, ctx.world_size
+        self.dp_rank, self.dp_size = ctx.rank, ctx.world_size
         self.optimizer_name, self.param_itemsize = run.optimizer, module.output.weight.itemsize
         self.reduce_itemsize = 4 if self.mixed else self.param_itemsize
         self.scaler = make_scaler(run.mixed_precision, run.loss_scaling, ctx.device)

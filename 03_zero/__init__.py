@@ -1,6 +1,7 @@
 """Chapter 03: ZeRO stages 0-3 on flat buffers (ZeroOptimizer: 0-2 as a torch optimizer; ZeroEngine:
 DeepSpeed-style, with stage 3), CPU offload, a DeepSpeed-style JSON config."""
 
+from .arguments import ELEMENTWISE
 from .config import ZeroConfig, ZeroConfigError, load_config, optimizer_arguments, parse_config
 from .engine import ZeroEngine
 from .flat import (
@@ -12,7 +13,7 @@ from .flat import (
     module_units,
     padded_size,
 )
-from .optimizer import ELEMENTWISE, ZeroOptimizer
+from .optimizer import ZeroOptimizer
 
 __all__ = ["ELEMENTWISE", "FlatGroup", "ShardedGrad", "ZeroConfig", "ZeroConfigError", "ZeroEngine",
            "ZeroOptimizer", "assign_buckets", "assign_owners", "load_config", "module_list_items",

@@ -35,11 +35,12 @@ whose every read raises, naming the fix (`opt.clip_grad_norm_(max_norm)`). `mode
 `opt.zero_grad()` (either `set_to_none`) zero the gradients as torch's do.
 
 Ownership "slice" (default): rank r owns [r·s, (r+1)·s) of each bucket, crossing parameter
-boundaries, so only an element-wise optimizer (`ELEMENTWISE`) is exact and any other is refused;
-"parameter": whole tensors, largest first to the least-loaded rank (`flat.assign_owners`), for any
-optimizer. Offload: [`offload.py`](offload.py); checkpoints (torch's ZeroRedundancyOptimizer pair,
-above) in torch's per-parameter format: [`optimizer_state.py`](optimizer_state.py). Depends only
-on torch, common/kernel/clip.py and common/kernel/collectives.py.
+boundaries, so only an element-wise optimizer (`ELEMENTWISE`) is exact and any other is refused
+([`arguments.py`](arguments.py): every argument refused before anything is built); "parameter":
+whole tensors, largest first to the least-loaded rank (`flat.assign_owners`), for any optimizer.
+Offload: [`offload.py`](offload.py); checkpoints (torch's ZeroRedundancyOptimizer pair, above) in
+torch's per-parameter format: [`optimizer_state.py`](optimizer_state.py). Depends only on torch,
+common/kernel/clip.py and common/kernel/collectives.py.
 """
 
 from __future__ import annotations
@@ -54,15 +55,9 @@ from torch import nn
 
 from common.kernel.clip import clip_grads_by_global_norm_
 
-from . import flat, optimizer_state, sole_reducer
+from . import arguments, flat, optimizer_state, sole_reducer
 from .flat import FlatGroup, Unit
 from .offload import buffer_empty, host_step_threads
-
-# torch optimizers whose update of an element reads only that element's own gradient and state
-ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
-               torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adagrad, torch.optim.Adadelta,
-               torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD)
-OWNERSHIPS = ("slice", "parameter")
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -76,8 +71,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
     For `ZeroEngine` (stage 3): `param_names` ({param: name}, for messages), `units`,
     `offload_param`, `init_values_fn` and `device` (a model built on the meta device)."""
 
-    BUCKETS = ("reduce_bucket_size", "allgather_bucket_size")
-
     def __init__(self, params: Iterable, optimizer_class: Callable[..., torch.optim.Optimizer], *,
                  process_group=None, stage: int = 1, ownership: str = "slice",
                  reduce_bucket_size: int = 500_000_000, allgather_bucket_size: int = 500_000_000,
@@ -86,22 +79,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                  param_names: Mapping[nn.Parameter, str] | None = None, units: list[Unit] | None = None,
                  offload_param: bool = False, init_values_fn: Callable[[str], torch.Tensor] | None = None,
                  device: torch.device | None = None, **defaults):
-        if ownership not in OWNERSHIPS:
-            raise ValueError(f"ownership={ownership!r}: use 'slice' or 'parameter'")
-        if stage not in (0, 1, 2, 3) or (stage == 3) != (units is not None):
-            raise ValueError(f"stage={stage!r}: ZeroOptimizer shards the optimizer (1) and the gradients "
-                             "(2); stage 3 also shards the parameters of a module: use ZeroEngine")
-        if units is not None and ownership != "slice":
-            raise ValueError("stage 3 gathers slices; whole-parameter ownership is for stages 0-2")
-        for key, value in zip(self.BUCKETS, (reduce_bucket_size, allgather_bucket_size), strict=True):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 1 or value % 1:
-                raise ValueError(f"{key}={value!r}: a whole number of elements >= 1 (DeepSpeed's 5e8)")
-        if offload_param and stage != 3:
-            raise ValueError(f"offload_param=True with stage {stage}: only stage 3 partitions the parameters")
-        for key in ("parameters_as_bucket_view", "overlap_with_ddp"):  # ZeroRedundancyOptimizer's, False
-            if defaults.pop(key, False):
-                raise NotImplementedError(f"{key}=True is not implemented here: ZeroOptimizer keeps its own "
-                                          "flat buckets and overlaps its reductions with backward; drop it")
+        arguments.refuse_bad_arguments(stage, ownership, units is not None, reduce_bucket_size,
+                                       allgather_bucket_size, offload_param, defaults)
         self.stage, self.group, self.ownership = stage, process_group, ownership
         self.world, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
         self.shard_world, self.shard_rank = (1, 0) if stage == 0 else (self.world, self.rank)
@@ -147,7 +126,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         settings = {k: v for k, v in group.items() if k != "params"}
         if self.optim is None:
             self.optim = self.optimizer_class([{"params": inner, **settings}])
-            self._require_elementwise()
+            arguments.require_elementwise(self.optim, self.ownership)
         else:
             self.optim.add_param_group({"params": inner, **settings})
         for key, value in self.optim.param_groups[-1].items():  # lr, betas, ...: visible to schedulers
@@ -227,14 +206,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
             g.make_grads(None if self.stage == 0 and self.reduce_dtype == self.compute_dtype else
                          f"fp32 for a {self.compute_dtype} parameter" if self.stage == 0 else
                          f"stage {self.stage}: each of the {self.world} ranks holds only its reduced slice")
-
-    def _require_elementwise(self) -> None:
-        if self.ownership == "slice" and (cls := type(self.optim)) not in ELEMENTWISE:
-            raise ValueError(
-                f"{cls.__name__} is not element-wise, and ZeRO's slices are 1-D pieces that cross "
-                f"parameter boundaries: it would step shapes no single-device run has (silently "
-                f"off). Pass ownership='parameter' (each rank steps whole tensors), or one of: "
-                f"{', '.join(c.__name__ for c in ELEMENTWISE)}")
 
     # --- backward: gradients to their owners ---------------------------------------------------
     @contextmanager

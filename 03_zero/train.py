@@ -159,7 +159,6 @@ class ZeroStrategy(Strategy):
         self.clip_grad, self.grad_norm = config.clip, None
         self.name = f"zero-{config.stage}" + ("-offload" if config.offload else "")
         self.dp_rank, self.dp_size = self.engine.rank, self.engine.world
-        self.mesh = {"dp": self.dp_size}
         self.optimizer_name, self.itemsize = run.optimizer, run.dtype.itemsize
         self.scaler = make_scaler(run.mixed_precision, run.loss_scaling, ctx.device)
         self.scaler_group = self.engine.optimizer.group

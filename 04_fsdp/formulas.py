@@ -37,6 +37,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from common.kernel.comm_bytes import ring_fraction
+
 from .flat_param import UnitShard
 from .wrap import ShardingStrategy, reshards_after_forward
 
@@ -62,20 +64,16 @@ def unit_traffic(layout: Iterable[UnitShard], group_size: int | None = None) -> 
     return out
 
 
-def ring(n: int, factor: float = 1.0) -> float:
-    """factor · (n-1)/n: the share of a tensor one rank sends in a ring collective (0 alone)."""
-    return factor * (n - 1) / n if n > 1 else 0.0
-
-
 def unit_comm_bytes_by_group(unit: UnitTraffic, group_size: int, sharding_strategy: ShardingStrategy,
                              gathers: int, reductions: int, replicate_size: int = 1) -> tuple[float, float]:
     """One unit's bytes for `gathers` unshards and `reductions` gradient reductions, as (over the
     shard group of `group_size`, over the replicate group of `replicate_size`: HSDP only)."""
     reduced = unit.padded_numel * unit.reduce_itemsize
     if sharding_strategy == ShardingStrategy.NO_SHARD:
-        return reductions * ring(group_size, 2) * reduced, 0.0
-    intra = gathers * ring(group_size) * unit.full_bytes + reductions * ring(group_size) * reduced
-    return intra, reductions * ring(replicate_size, 2) * reduced / group_size
+        return reductions * ring_fraction(group_size, 2) * reduced, 0.0
+    ring = ring_fraction(group_size)
+    intra = gathers * ring * unit.full_bytes + reductions * ring * reduced
+    return intra, reductions * ring_fraction(replicate_size, 2) * reduced / group_size
 
 
 def unit_comm_bytes(unit: UnitTraffic, group_size: int, sharding_strategy: ShardingStrategy,
@@ -106,7 +104,7 @@ def fsdp_comm_bytes_by_group(units: Iterable[UnitTraffic], group_size: int,
                                         reductions, replicate_size)
         intra, inter = intra + a, inter + b
     if clip and sharding_strategy != ShardingStrategy.NO_SHARD:
-        intra += ring(group_size, 2) * (8 if any(u.shard_itemsize == 8 for u in units) else 4)
+        intra += ring_fraction(group_size, 2) * (8 if any(u.shard_itemsize == 8 for u in units) else 4)
     return {"intra": intra, "inter": inter}
 
 

@@ -94,7 +94,7 @@ class TorchFSDP2Strategy(Strategy):
         self.model = model
         self.optimizer = make_optimizer(model.parameters(), run.optimizer, run.lr)
         self.name = f"torch-fsdp2-{run.options.sharding_strategy.lower()}"
-        self.mesh, self.dp_rank, self.dp_size = {"dp": ctx.world_size}, ctx.rank, ctx.world_size
+        self.dp_rank, self.dp_size = ctx.rank, ctx.world_size
         self.clip_grad = run.clip_grad
 
     @contextmanager

@@ -175,12 +175,8 @@ class FSDPStrategy(Strategy):
         self.scaler_group = None if self.model.replicate_group is not None else self.model.process_group
         self.name = f"fsdp-{run.options.sharding_strategy.lower()}"
         self.dp_rank, self.dp_size, self.steps_done = ctx.rank, ctx.world_size, 0
-        self.mesh = {"dp": ctx.world_size}
         if self.model.replicate_group is not None:  # HSDP: all ranks are data-parallel, in two groups
-            shard, replicate = self.model.process_group, self.model.replicate_group
-            self.mesh = {"dp_replicate": dist.get_world_size(replicate),
-                         "dp_shard": dist.get_world_size(shard)}
-            self.comm_groups = (("intra", shard), ("inter", replicate))
+            self.comm_groups = (("intra", self.model.process_group), ("inter", self.model.replicate_group))
 
     def no_sync(self) -> AbstractContextManager:
         return self.model.no_sync() if self.run.options.no_sync else nullcontext()

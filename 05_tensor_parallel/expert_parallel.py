@@ -39,6 +39,17 @@ from torch import nn
 from common.kernel.moe import GroupedExperts, MoEFeedForward, RoutingPlan, moe_layers, permute, unpermute
 
 
+def is_expert(name: str) -> bool:
+    """A routed expert's stacked weights (…feed_forward.experts.w1/w2/w3): what EP splits."""
+    return ".experts." in name
+
+
+def expert_slice(ep_rank: int, ep: int, n_experts: int) -> slice:
+    """The experts rank `ep_rank` of an EP group of `ep` ranks holds: [r·E/ep, (r+1)·E/ep)."""
+    local = n_experts // ep
+    return slice(ep_rank * local, (ep_rank + 1) * local)
+
+
 class _AllToAll(torch.autograd.Function):
     """Rows x [Σ in_splits, dim] → [Σ out_splits, dim]: in_splits[q] rows to rank q, out_splits[q]
     rows from rank q. Backward: the same call with the splits swapped."""
@@ -79,7 +90,7 @@ class AllToAllDispatcher:
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)  # [ep · local]: source-major
         received = recv.view(self.ep, self.local).tolist()  # the host sync (see the docstring)
-        in_splits = [sum(counts[q * self.local:(q + 1) * self.local]) for q in range(self.ep)]
+        in_splits = [sum(counts[expert_slice(q, self.ep, len(counts))]) for q in range(self.ep)]
         out_splits = [sum(row) for row in received]
         arrived = all_to_all_rows(rows, out_splits, in_splits, self.group)
         starts, at = [], 0  # where rows (source s, local expert e) begin in `arrived`
@@ -112,8 +123,7 @@ class CountingDispatcher(AllToAllDispatcher):
 
     def __init__(self, group, n_experts: int):
         super().__init__(group, n_experts)
-        rank = dist.get_rank(group)
-        self.mine = slice(rank * self.local, (rank + 1) * self.local)
+        self.mine = expert_slice(dist.get_rank(group), self.ep, n_experts)
         self.log: list[tuple[int, int, int]] = []
 
     def dispatch(self, x: torch.Tensor, plan: RoutingPlan) -> tuple[torch.Tensor, list[int]]:
@@ -157,13 +167,12 @@ def expert_parallel(model: nn.Module, group, dispatcher: type[AllToAllDispatcher
             raise ValueError(f"{E} experts do not split over an expert-parallel group of {ep} ranks: "
                              f"use an EP size that divides {E}")
     for layer in layers:
-        E = layer.experts.w1.shape[0]
-        lo, hi = rank * E // ep, (rank + 1) * E // ep
         full = layer.experts
-        local = GroupedExperts(hi - lo, full.w1.shape[2], full.w1.shape[1]).to(full.w1)
+        E, mine = full.w1.shape[0], expert_slice(rank, ep, full.w1.shape[0])
+        local = GroupedExperts(E // ep, full.w1.shape[2], full.w1.shape[1]).to(full.w1)
         with torch.no_grad():
             for name in ("w1", "w2", "w3"):
-                getattr(local, name).copy_(getattr(full, name)[lo:hi])
+                getattr(local, name).copy_(getattr(full, name)[mine])
         layer.experts = local
         layer.dispatcher = dispatcher(group, E)
     return layers

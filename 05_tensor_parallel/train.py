@@ -13,7 +13,7 @@ attention. CP ranks hold the same parameters, so gradients are averaged over dp 
 / (dp·cp)): each rank's loss is the mean over its tokens, and their mean the global-token mean.
 The report prints the comm and activation formulas of formulas.py beside the measurements.
 A MoE model (--model tiny-moe) trains with expert parallelism (and --tp: every expert cut like the
-SwiGLU, moe_tensor_parallel.py) instead: train_expert.py.
+SwiGLU, moe_tensor_parallel.py) in its own demo: train_expert.py, `make run-5-ep`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from common.cli import ConfigError, base_parser, batch_layout, model_config, req
 from common.data import split_inputs_targets
 from common.dist import DistContext
 from common.kernel.clip import clip_grads_by_global_norm_
-from common.kernel.mesh import build_mesh, mesh_shape
+from common.kernel.mesh import MeshError, build_mesh, mesh_shape
 from common.kernel.model import build_model, initializer, materialize
 from common.kernel.optimizer_bytes import optimizer_state_bytes
 from common.memory import optimizer_state_tensors, storage_bytes
@@ -61,7 +61,6 @@ from tensor_parallel.formulas import (
     model_activation_terms,
     step_comm_bytes,
 )
-from tensor_parallel.train_expert import ExpertParallelStrategy, validate_moe
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,15 +71,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="shard the norm/residual regions along the sequence (Korthikanti et al. 2022)")
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel size: each rank holds s/cp tokens (zig-zag), ring attention")
-    p.add_argument("--ep", type=int, default=None,
-                   help="MoE models only (--cp 1): expert-parallel size, experts sharded over groups of "
-                        "ep consecutive data-parallel ranks, dp = world / tp (default: every dp rank)")
     return p.parse_args(argv)
 
 
 @dataclass(frozen=True)
 class TensorParallelOptions:
-    """The chapter's resolved flags (the run's `options`); tp, cp, dp and ep are the run's mesh."""
+    """The chapter's resolved flags (the run's `options`); tp, cp and dp are the run's mesh."""
 
     sequence_parallel: bool = False
 
@@ -88,22 +84,14 @@ class TensorParallelOptions:
 def validate(args: argparse.Namespace, world_size: int) -> Run:
     """Everything that can be wrong with the input, checked before any collective; the run."""
     validate_common(args)
-    if model_config(args).n_experts:  # a MoE model: expert parallelism (train_expert.py)
-        return validate_moe(args, world_size, TensorParallelOptions(args.sequence_parallel))
-    require(args.ep is None, f"--ep {args.ep} with --model {args.model}: the model has no experts: "
-                             f"drop --ep, or use a mixture-of-experts model (e.g. --model tiny-moe)")
-    cp = args.cp
-    require(cp >= 1, f"--cp {cp}: must be >= 1")
-    require(world_size % cp == 0, f"--cp {cp} does not divide the world of {world_size} ranks "
-                                  f"(world = tp × cp × dp): use a divisor of {world_size}")
-    tp = world_size // cp if args.tp is None else args.tp
-    require(tp >= 1, f"--tp {tp}: must be >= 1")
-    sizes, over = (f"--tp {tp}", "tp") if cp == 1 else (f"--tp {tp} × --cp {cp}", "(tp·cp)")
-    require(tp * cp <= world_size, f"{sizes} is larger than the world of {world_size} ranks: use "
-                                   f"--tp {world_size // cp} or launch {tp * cp} ranks (NPROC={tp * cp})")
-    require(world_size % (tp * cp) == 0, f"{sizes} does not divide the world of {world_size} ranks: "
-                                         f"dp = world / {over} must be whole; use a divisor of {world_size}")
-    cfg = model_config(args)
+    cfg, cp = model_config(args), args.cp
+    require(not cfg.n_experts, f"--model {args.model} is a mixture-of-experts model: train it with expert "
+                               "parallelism, make run-5-ep (05_tensor_parallel/train_expert.py)")
+    tp = args.tp if args.tp is not None else world_size // cp if cp >= 1 and world_size % cp == 0 else 1
+    try:
+        mesh = mesh_shape(world_size, tp=tp, cp=cp)  # world = dp × cp × tp, each size refused there
+    except MeshError as error:
+        raise ConfigError(str(error)) from None
     try:
         if cp > 1:  # the zig-zag chunks; without CP any length trains
             check_cp_sizes(args.seq_len, cp)
@@ -115,7 +103,6 @@ def validate(args: argparse.Namespace, world_size: int) -> Run:
     except ValueError as error:
         within = f" (the {args.seq_len // cp} tokens of a CP rank)" if cp > 1 else ""
         raise ConfigError(f"--tp {tp} with --model {args.model}: {error}{within}") from None
-    mesh = mesh_shape(world_size, tp=tp, cp=cp)
     layout = batch_layout(args.global_batch, mesh.dp, args.micro_batch, args.grad_accum)
     return resolve_run(args, mesh, layout, TensorParallelOptions(args.sequence_parallel))
 
@@ -150,8 +137,6 @@ class TensorParallelStrategy(Strategy):
         self.optimizer = make_optimizer(self.weights.master, run.optimizer, run.lr)
         self.optimizer_name, self.clip_grad = run.optimizer, run.clip_grad
         self.name = ("tp+sp" if self.sequence_parallel else "tp") + ("+cp" if self.cp > 1 else "")
-        self.mesh = {"dp": self.dp_size, "cp": self.cp, "tp": self.tp} if self.cp > 1 else {
-            "dp": self.dp_size, "tp": self.tp}
         self.seq_len = run.seq_len
         e = self.model.output.weight.itemsize
         self.shape = Shape(run.micro_batch, run.seq_len // self.cp, cfg.dim, cfg.n_heads, cfg.n_kv_heads,
@@ -242,8 +227,6 @@ class TensorParallelStrategy(Strategy):
 
 
 def build(run: Run, ctx: DistContext) -> Strategy:
-    if run.model.n_experts:
-        return ExpertParallelStrategy(run, ctx)
     return TensorParallelStrategy(run, ctx)
 
 

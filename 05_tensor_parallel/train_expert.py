@@ -1,7 +1,13 @@
-"""Chapter 05 demo, MoE models: data parallelism over the dp = W/t ranks of each TP index, the
-experts sharded over EP groups of `ep` consecutive data-parallel ranks (expert_parallel.py's
-all-to-all dispatch) and, with --tp t, every expert cut over the TP group like the dense SwiGLU
-(moe_tensor_parallel.py), exact against one device. Data-parallel rank d takes its own rows and
+"""Chapter 05 demo: train a mixture-of-experts LLaMA with expert parallelism (and tensor parallelism).
+
+    torchrun --standalone --nproc-per-node 4 05_tensor_parallel/train_expert.py --ep 2 --check
+    make run-5-ep ARGS="--ep 2 --dtype float64 --check"                        (--model tiny-moe)
+    make run-5-ep ARGS="--tp 2 --ep 2 --sequence-parallel --dtype float64 --check"
+
+Data parallelism over the dp = W/t ranks of each TP index, the experts sharded over EP groups of
+`ep` consecutive data-parallel ranks (expert_parallel.py's all-to-all dispatch) and, with --tp t,
+every expert cut over the TP group like the dense SwiGLU (moe_tensor_parallel.py), exact against
+one device. Data-parallel rank d takes its own rows and
 holds experts [i·E/ep, (i+1)·E/ep) of every MoE layer, i = d mod ep; every other parameter is
 replicated over dp (its TP piece). The global loss is the mean of the dp ranks' losses, so its
 gradient is (1/dp) Σ_d ∂L_d. Non-expert gradients: SUM over the dp group, / dp. An expert's local
@@ -21,15 +27,17 @@ MoE layer's router weight gradient, less SP's re-gather (moe_tensor_parallel.moe
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from common.cli import ConfigError, batch_layout, model_config, require
+from common.cli import ConfigError, base_parser, batch_layout, model_config, require, validate_common
 from common.data import split_inputs_targets
 from common.dist import DistContext
 from common.kernel.clip import clip_grads_by_global_norm_
 from common.kernel.collectives import all_gather_single
+from common.kernel.comm_bytes import ring_fraction
 from common.kernel.mesh import MeshError, build_mesh, mesh_shape
 from common.kernel.model import build_model, initializer, loss_fn, materialize
 from common.kernel.optimizer_bytes import optimizer_state_bytes
@@ -37,11 +45,13 @@ from common.memory import optimizer_state_tensors, storage_bytes
 from common.mixed_precision import MasterWeights
 from common.reference import make_optimizer
 from common.run import Run, resolve_run
-from common.training import Strategy
+from common.training import Strategy, run_main
 from tensor_parallel.expert_parallel import (
     CountingDispatcher,
     all_to_all_bytes,
     expert_parallel,
+    expert_slice,
+    is_expert,
     load_imbalance,
 )
 from tensor_parallel.formulas import Shape, microbatch_comm_bytes
@@ -50,19 +60,32 @@ from tensor_parallel.parallelize import check_tp_sizes, vocab_parallel_loss
 from tensor_parallel.sharding import gather_full, local_piece, tp_shard_specs
 
 
-def is_expert(name: str) -> bool:
-    return ".experts." in name
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = base_parser(__doc__.splitlines()[0])
+    p.set_defaults(model="tiny-moe")
+    p.add_argument("--ep", type=int, default=None, help="expert-parallel size: experts sharded over "
+                   "groups of ep consecutive data-parallel ranks (default: every dp rank, dp = world / tp)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: every expert cut like the SwiGLU")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="shard the norm/residual regions along the sequence (with --tp)")
+    return p.parse_args(argv)
 
 
-def validate_moe(args: argparse.Namespace, world_size: int, options: object) -> Run:
-    """A MoE model: --cp 1 (routing and the per-sequence aux loss need whole sequences); --tp t
-    (default 1) cuts every expert, --ep (default: every data-parallel rank) divides dp = W/t and E
-    (the mesh's refusal: common/kernel/mesh.py)."""
-    cfg = model_config(args)
-    tp, cp = args.tp or 1, args.cp
-    require(cp == 1, f"--model {args.model} is a mixture-of-experts model: not --cp {cp} (routing, "
-                     f"capacity and the per-sequence aux loss need whole sequences): use --cp 1 with "
-                     f"--tp and --ep N")
+@dataclass(frozen=True)
+class ExpertParallelOptions:
+    """The demo's resolved flags (the run's `options`); tp, dp and ep are the run's mesh."""
+
+    sequence_parallel: bool = False
+
+
+def validate(args: argparse.Namespace, world_size: int) -> Run:
+    """A MoE model (routing and the per-sequence aux loss need whole sequences: no CP here); --tp t
+    cuts every expert, --ep (default: every data-parallel rank) divides dp = W/t and E (the mesh's
+    refusals: common/kernel/mesh.py)."""
+    validate_common(args)
+    cfg, tp = model_config(args), args.tp or 1
+    require(cfg.n_experts > 0, f"--model {args.model} has no experts: expert parallelism needs a "
+                               "mixture-of-experts model (e.g. --model tiny-moe); a dense one: make run-5")
     try:
         dp = mesh_shape(world_size, tp=tp).dp
         mesh = mesh_shape(world_size, tp=tp, ep=dp if args.ep is None else args.ep, n_experts=cfg.n_experts)
@@ -72,7 +95,7 @@ def validate_moe(args: argparse.Namespace, world_size: int, options: object) -> 
         default = " (--ep defaults to every data-parallel rank)" if args.ep is None else ""
         raise ConfigError(f"--model {args.model}: {error}{default}") from None
     layout = batch_layout(args.global_batch, mesh.dp, args.micro_batch, args.grad_accum)
-    return resolve_run(args, mesh, layout, options)
+    return resolve_run(args, mesh, layout, ExpertParallelOptions(args.sequence_parallel))
 
 
 class ExpertParallelStrategy(Strategy):
@@ -92,7 +115,7 @@ class ExpertParallelStrategy(Strategy):
         self.specs = (parallelize_moe_llama(self.model, self.tp_group, self.sequence_parallel)
                       if self.tp > 1 else tp_shard_specs(self.model, self.tp_group))
         self.layers = expert_parallel(self.model, self.ep_group, CountingDispatcher)
-        mine = self.layers[0].dispatcher.mine
+        mine = expert_slice(grid.ep_rank, self.ep, cfg.n_experts)
 
         def piece(name: str, full: torch.Tensor) -> torch.Tensor:  # its TP piece, then its experts
             local = local_piece(full, self.specs[name])
@@ -107,7 +130,6 @@ class ExpertParallelStrategy(Strategy):
         self.optimizer = make_optimizer(self.weights.master, run.optimizer, run.lr)
         self.optimizer_name, self.clip_grad = run.optimizer, run.clip_grad
         self.name = "ep" if self.tp == 1 else "tp+ep"
-        self.mesh = {"dp": self.dp_size, **({"tp": self.tp} if self.tp > 1 else {}), "ep": self.ep}
         self.dim, self.n_experts, self.device = cfg.dim, cfg.n_experts, ctx.device
         self.e = self.model.output.weight.itemsize
         self.reduce_itemsize = 4 if self.mixed else self.e  # fp32 master gradients in mixed precision
@@ -191,10 +213,10 @@ class ExpertParallelStrategy(Strategy):
         for n, p in self.model.named_parameters():
             sizes[is_expert(n)] += p.numel()
         d, g, P = self.dp_size, self.dp_size // self.ep, sum(sizes.values())
-        per_step = ((2 * (d - 1) / d) * sizes[False] + (2 * (g - 1) / g) * sizes[True])
+        per_step = (ring_fraction(d, 2) * sizes[False] + ring_fraction(g, 2) * sizes[True])
         per_step *= self.reduce_itemsize
         if self.clip_grad is not None:
-            per_step += sum(2 * (n - 1) / n * (8 if self.e == 8 else 4) for n in (self.ep, self.tp))
+            per_step += sum(ring_fraction(n, 2) * (8 if self.e == 8 else 4) for n in (self.ep, self.tp))
         if self.tp > 1:
             moe = len(self.layers) * moe_block_extra_bytes(self.shape, self.n_experts)
             per_step += self.grad_accum * (microbatch_comm_bytes(self.shape) + moe)
@@ -219,3 +241,10 @@ class ExpertParallelStrategy(Strategy):
                 "ep_rows_per_rank": rows.sum(1).tolist(), "ep_rows_per_dispatch": rows.tolist(),
                 "ep_load_imbalance": imbalance.tolist(), "ep_load_imbalance_max": imbalance.max().item()}
 
+
+def build(run: Run, ctx: DistContext) -> Strategy:
+    return ExpertParallelStrategy(run, ctx)
+
+
+if __name__ == "__main__":
+    run_main(parse_args, validate, build, chapter=5)

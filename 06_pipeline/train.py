@@ -140,7 +140,7 @@ class PipelineStrategy(Strategy):
         self.name, self.clip_grad = f"pp-{options.schedule}", run.clip_grad
         self.optimizer_name = run.optimizer
         self.device = ctx.device
-        self.mesh, self.dp_rank, self.dp_size = {"pp": p}, 0, 1
+        self.dp_rank, self.dp_size = 0, 1
         self.timeline_png = options.timeline_png
         self.timelines: list = []
 

@@ -8,11 +8,12 @@ The pieces a trainer calls (core files: torch, common's kernel, chapters 04–06
                        .dp_cp_group (FSDP's), .ep_group, .pp_group, .group(name))
     parallelize.py     parallelize_3d(model, mesh, Parallel3DConfig(...), device) -> (chunks,
                        tp_specs): the recipe, apply_pipeline_split → apply_tensor_parallel →
-                       apply_context_parallel (cp > 1) → apply_recompute → apply_fsdp (over the
-                       DP × CP group); activation_shape, rank_inputs (what the chunks take)
-    experts.py         parallelize_moe_3d(model, mesh, config, device): the recipe for a MoE model
-                       (05's MoE plan, then expert parallelism: slices, all-to-all, the experts'
-                       FSDP units over dp_shard_mod_ep dividing by dp·cp); expert_slices
+                       apply_context_parallel (cp > 1) → apply_expert_parallel (a MoE model: its
+                       slice of the experts, all-to-all, FSDP units over dp_shard_mod_ep dividing
+                       by dp·cp) → apply_recompute → apply_fsdp (over the DP × CP group);
+                       activation_shape, rank_inputs (what the chunks take)
+    experts.py         expert_slices (the ShardMap's EP slices), the dispatch logs, the all-to-all
+                       formula and the load imbalance of a MoE model
     shards.py          shard_map(chunks, tp_specs, mesh, ep_slices=None) -> ShardMap: which elements
                        of which reference tensor this rank holds; gather_full (for --check)
     clip.py            clip_grad_norm_3d(shards, max_norm): the true global norm

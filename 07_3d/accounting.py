@@ -28,6 +28,7 @@ from parallel3d.parallelize import Parallel3DConfig
 from pipeline.schedules import Schedule
 from pipeline.simulator import closed_form_bubble
 from tensor_parallel.context_layout import load_balance
+from tensor_parallel.expert_parallel import is_expert
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ def describe_rank(cfg: LlamaConfig, mesh: ParallelMesh, schedule: Schedule,
 
 def is_expert_unit(unit: UnitShard) -> bool:
     """A unit of a MoE layer's routed experts (experts.py wraps each GroupedExperts alone)."""
-    return bool(unit.params) and all(".experts." in p.name for p in unit.params)
+    return bool(unit.params) and all(is_expert(p.name) for p in unit.params)
 
 
 def state_bytes_formula(units: tuple[UnitShard, ...], optimizer: str) -> dict[str, float]:

@@ -39,6 +39,7 @@ import math
 
 import torch
 
+from common.kernel.comm_bytes import ring_fraction
 from fsdp.formulas import unit_comm_bytes_by_group, unit_traffic
 from fsdp.wrap import ShardingStrategy, reshards_after_forward
 from parallel3d.accounting import Rank3D, is_expert_unit
@@ -50,10 +51,6 @@ from tensor_parallel.moe_tensor_parallel import moe_block_extra_bytes
 DIMS = ("tp", "cp", "pp", "dp_shard", "dp_shard_mod_ep", "dp_replicate", "world")
 
 
-def ring(n: int, factor: float = 1.0) -> float:
-    return factor * (n - 1) / n if n > 1 else 0.0
-
-
 def tp_bytes_per_microbatch(cfg, t: int, b: int, s: int, e: int, sp: bool, recompute: str,
                             n_blocks: int, first: bool, last: bool) -> float:
     """Wire bytes of one micro-batch's forward + backward through a chunk's TP regions: chapter
@@ -62,7 +59,10 @@ def tp_bytes_per_microbatch(cfg, t: int, b: int, s: int, e: int, sp: bool, recom
               V=cfg.vocab_size, head_dim=cfg.head_dim, t=t, sequence_parallel=sp, e=e)
     gathers, reductions = RECOMPUTED[recompute]
     a = b * s * cfg.dim * e
-    rerun = (ring(t, gathers) + ring(t, reductions)) * a if sp else reductions * ring(t, 2) * a
+    if sp:
+        rerun = (ring_fraction(t, gathers) + ring_fraction(t, reductions)) * a
+    else:
+        rerun = reductions * ring_fraction(t, 2) * a
     return microbatch_comm_bytes(x, embedding=first, head=last) + n_blocks * rerun
 
 
@@ -138,7 +138,7 @@ def comm_bytes_by_dim(r: Rank3D, steps: int) -> dict[str, float]:
     out["pp"] += message * sum(sched.send(rank, a) is not None for a in actions)
     if r.clip:
         sq_bytes = 8 if r.units[0].flat_param.dtype == torch.float64 else 4
-        out["world"] += ring(sizes.world, 2) * sq_bytes
+        out["world"] += ring_fraction(sizes.world, 2) * sq_bytes
     return {k: steps * v for k, v in out.items()}
 
 

@@ -1,14 +1,16 @@
-"""Expert parallelism in the 3D recipe: what a mixture-of-experts model adds to parallelize_3d.
+"""Expert parallelism in the 3D trainer: what a mixture-of-experts model adds beside the recipe
+(parallelize.py's `apply_expert_parallel` step cuts and wraps the experts): which expert slice a
+rank's ShardMap places (`expert_slices`), the dispatch logs, the all-to-all's byte formula and the
+load imbalance the report prints.
 
-    parallelize_moe_3d = parallelize_3d with
-      TP   05's MoE plan: every expert and the shared expert cut like the dense SwiGLU over the TP
-           group, the router whole on every TP rank (tensor_parallel.moe_tensor_parallel)
-      EP   before recomputation and FSDP, each MoE layer keeps the experts of its EP slice
-           e = the rank's place in its EP group (the mesh's ep coordinate), [e·E/ep, (e+1)·E/ep),
-           and dispatches by all-to-all over the EP group (05's expert_parallel); its
-           GroupedExperts becomes an FSDP unit of its own, sharded over dp_shard_mod_ep (the ranks
-           of one replica that hold the same experts) and, under HSDP, all-reduced over
-           dp_replicate. Everything else is sharded over dp_shard × cp as in a dense model.
+    TP   05's MoE plan: every expert and the shared expert cut like the dense SwiGLU over the TP
+         group, the router whole on every TP rank (tensor_parallel.moe_tensor_parallel)
+    EP   before recomputation and FSDP, each MoE layer keeps the experts of its EP slice
+         e = the rank's place in its EP group (the mesh's ep coordinate), [e·E/ep, (e+1)·E/ep),
+         and dispatches by all-to-all over the EP group (05's expert_parallel); its
+         GroupedExperts becomes an FSDP unit of its own, sharded over dp_shard_mod_ep (the ranks
+         of one replica that hold the same experts) and, under HSDP, all-reduced over
+         dp_replicate. Everything else is sharded over dp_shard × cp as in a dense model.
 
 EP borrows its ranks from dp_shard (common/kernel/mesh.py): an EP group is ep consecutive data-parallel
 ranks of one TP index, one pipeline stage and one replica. Each takes its own rows, so its
@@ -34,81 +36,23 @@ experts (train.py refuses it). Depends only on torch, common's kernel and chapte
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from common.kernel.collectives import all_gather_single
 from common.kernel.mesh import ParallelMesh
-from common.kernel.model import Llama, initializer
-from common.kernel.moe import MoEFeedForward, moe_layers
-from fsdp.fully_sharded import FullyShardedDataParallel
-from fsdp.wrap import ShardingStrategy
-from parallel3d.parallelize import Parallel3DConfig, fsdp_groups, mixed_precision, parallelize_3d
+from common.kernel.moe import moe_layers
 from parallel3d.shards import EPSlice
-from pipeline.stage import LlamaChunk
-from tensor_parallel.expert_parallel import CountingDispatcher, all_to_all_bytes, expert_parallel
+from tensor_parallel.expert_parallel import all_to_all_bytes, expert_slice, is_expert
 from tensor_parallel.expert_parallel import load_imbalance as ep_load_imbalance
-from tensor_parallel.moe_tensor_parallel import parallelize_moe_llama
-from tensor_parallel.sharding import TPShard, local_piece
-
-
-def is_expert(name: str) -> bool:
-    """A routed expert's stacked weights (…feed_forward.experts.w1/w2/w3)."""
-    return ".experts." in name
-
-
-def expert_rank(mesh: ParallelMesh) -> int:
-    """Which slice of the experts this rank holds: its place in its EP group (the mesh's ep
-    coordinate, j mod ep), the order in which the all-to-all sends tokens to the group."""
-    return mesh.ep_rank
+from tensor_parallel.sharding import TPShard
 
 
 def expert_slices(tp_specs: dict[str, TPShard], mesh: ParallelMesh, n_experts: int) -> dict[str, EPSlice]:
     """{reference name: EPSlice} of every expert tensor this rank holds: experts [e·E/ep, (e+1)·E/ep)."""
-    n = n_experts // mesh.ep
-    return {name: EPSlice(expert_rank(mesh) * n, n_experts) for name in tp_specs if is_expert(name)}
-
-
-def apply_expert_parallel(chunks: list[LlamaChunk], tp_specs: dict[str, TPShard], mesh: ParallelMesh,
-                          config: Parallel3DConfig, device: torch.device) -> list[MoEFeedForward]:
-    """EP on every MoE layer of this rank's chunks, in place (on the meta device, before
-    recomputation and FSDP): its experts' slice, the counting all-to-all dispatcher over the EP
-    group, and its GroupedExperts as an FSDP unit over dp_shard_mod_ep (HSDP: and dp_replicate),
-    dividing its gradient by dp·cp. Each unit draws only the TP piece of its experts that overlaps
-    this rank's shard. Returns the MoE layers."""
-    cfg = chunks[0].cfg
-    init, slices = initializer(cfg, config.seed), expert_slices(tp_specs, mesh, cfg.n_experts)
-    layers = []
-    for chunk in chunks:
-        for prefix, layer in chunk.named_modules():
-            if not isinstance(layer, MoEFeedForward):
-                continue
-            if mesh.ep > 1:  # else every expert here: the local dispatcher, no all-to-all
-                expert_parallel(layer, mesh.ep_group, CountingDispatcher)
-
-            def piece(name: str, _, prefix: str = prefix) -> torch.Tensor:
-                full = f"{prefix}.experts.{name}"
-                s = slices[full]
-                local = local_piece(init(full), tp_specs[full])
-                return local[s.start : s.start + s.full // mesh.ep]
-
-            layer.experts = FullyShardedDataParallel(
-                layer.experts, process_group=fsdp_groups(mesh, config.sharding_strategy, "dp_shard_mod_ep"),
-                sharding_strategy=ShardingStrategy[config.sharding_strategy],
-                mixed_precision=mixed_precision(config), device_id=device, shard_init_fn=piece)
-            layer.experts.set_gradient_divide_factor(mesh.dp * mesh.cp)
-            layers.append(layer)
-    return layers
-
-
-def parallelize_moe_3d(model: Llama, mesh: ParallelMesh, config: Parallel3DConfig, device: torch.device
-                       ) -> tuple[list[FullyShardedDataParallel], dict[str, TPShard]]:
-    """parallelize_3d for a MoE LLaMA: 05's MoE plan, then expert parallelism before FSDP."""
-    experts = partial(apply_expert_parallel, mesh=mesh, config=config, device=device)
-    return parallelize_3d(model, mesh, config, device, parallelize_moe_llama, experts)
+    start = expert_slice(mesh.ep_rank, mesh.ep, n_experts).start
+    return {name: EPSlice(start, n_experts) for name in tp_specs if is_expert(name)}
 
 
 def dispatch_logs(model: nn.Module) -> list[tuple[int, int, int]]:

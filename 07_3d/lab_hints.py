@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from common.comm import CommMeter
+from common.kernel.comm_bytes import ring_fraction
 from common.kernel.model import LlamaConfig, build_model
 from common.kernel.p2p_plan import P2PRecorder
 from common.labs.diagnosis import TOLERANCE, Finding, near
@@ -23,7 +24,7 @@ from common.reference import SCALE_FLOOR
 from fsdp import FSDP
 from parallel3d.accounting import describe_rank
 from parallel3d.checkpoint.reshard import extract
-from parallel3d.comm_formulas import comm_bytes_per_step, cp_bytes_per_step, ring, tp_bytes_per_microbatch
+from parallel3d.comm_formulas import comm_bytes_per_step, cp_bytes_per_step, tp_bytes_per_microbatch
 from parallel3d.parallelize import Parallel3DConfig
 from tensor_parallel import local_piece
 
@@ -170,7 +171,7 @@ def bytes_by_group(meter: CommMeter, sends: P2PRecorder, mesh, schedule, chunks,
                           for stage, blocks in zip(stages, r.chunk_blocks, strict=True))
     pp = math.prod(r.activation_shape) * 8 * sum(schedule.send(mesh.pp_rank, a) is not None
                                                  for a in schedule.actions[mesh.pp_rank])
-    world = ring(mesh.size, 2) * 8 if clip else 0.0
+    world = ring_fraction(mesh.size, 2) * 8 if clip else 0.0
     cp = cp_bytes_per_step(r, 1)
     return {"TP": (over(mesh.tp_group), tp), "CP ring": (p2p(mesh.cp_group) if mesh.cp > 1 else 0.0, cp),
             "PP": (p2p(mesh.pp_group) if mesh.pp > 1 else 0.0, pp),

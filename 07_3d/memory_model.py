@@ -8,7 +8,8 @@ Model states of the parameters ψ a GPU holds (its pipeline stage, TP-sharded):
 with bytes per parameter (w, g, o) = (2, 2, 4) in chapter 01's 8-byte reinterpretation of the
 source article's budget (fp16 weights, gradients and Adam m, v: 7B → 14 + 14 + 28 GB; the
 article's own words are read in 01_data_parallel/README.md), (2, 2, 12) in the mixed-precision recipe of the
-ZeRO paper (bf16 weights and grads, fp32 master + m + v), (4, 4, 8) in plain fp32.
+ZeRO paper (bf16 weights and grads, fp32 master + m + v), (4, 4, 8) in plain fp32, (2, 4, 8) in
+DeepSeek-V3's (fp32 gradients and master, Adam's m and v in bf16).
 
 Activations saved for backward per block are chapter 05's itemized count (tensor_parallel.formulas:
 e·(10h + 4F) + 2e + 4·a bytes per token without TP; TP splits the attention and MLP tensors, SP
@@ -42,8 +43,9 @@ PRECISIONS: dict[str, tuple[int, int, int]] = {  # bytes per parameter: weights,
     "article": (2, 2, 4),
     "mixed": (2, 2, 12),
     "fp32": (4, 4, 8),
+    "bf16-moments": (2, 4, 8),  # DeepSeek-V3: fp32 grads and master, Adam's m, v in bf16
 }
-ACT_BYTES = {"article": 2, "mixed": 2, "fp32": 4}
+ACT_BYTES = {"article": 2, "mixed": 2, "fp32": 4, "bf16-moments": 2}
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class Layout:
     sequence_parallel: bool = True
     cp: int = 1                 # context parallel: ranks sharing each sequence (mesh tp, cp, dp, pp)
     ep: int = 1                 # expert parallel: of the dp·cp ranks, how many split the experts
+    schedule: str = "1f1b"      # the pipeline's: 1f1b (interleaved when v > 1) | dualpipe (planner)
 
     @property
     def gpus(self) -> int:
@@ -72,6 +75,7 @@ class Layout:
         zero = "FSDP" if self.zero == 3 else (f"ZeRO-{self.zero}" if self.zero else "DDP")
         zero += f", EP {self.ep}" if self.ep > 1 else ""
         v = f" v{self.virtual_stages}" if self.virtual_stages > 1 else ""
+        v += " DualPipe" if self.schedule == "dualpipe" else ""
         cp = f" × CP {self.cp}" if self.cp > 1 else ""
         return f"TP {self.tp}{cp} × PP {self.pp}{v} × DP {self.dp} ({zero}), " \
                f"mb {self.micro_batch}, AC {self.recompute}"

@@ -1,14 +1,18 @@
-"""The 3D recipe: one rank's part of LLaMA in five steps, each from its chapter, in torchtitan's
+"""The 3D recipe: one rank's part of LLaMA in six steps, each from its chapter, in torchtitan's
 order (`parallelize_llama`): split into pipeline stages, tensor-parallelize, context-parallelize,
-(a MoE model: expert-parallelize,) recompute, FSDP-wrap.
+expert-parallelize (a MoE model), recompute, FSDP-wrap.
 
-    model (meta) → this rank's v chunks (06) → TP pieces over the TP group (05)
-                 → attention over the CP ring (05, cp > 1) → blocks wrapped for recomputation (07)
+    model (meta) → this rank's v chunks (06) → TP pieces over the TP group (05; a MoE model: 05's
+                   MoE plan, every expert cut like the SwiGLU, the router whole)
+                 → attention over the CP ring (05, cp > 1)
+                 → each MoE layer's experts of this rank's EP slice, all-to-all over the EP group,
+                   an FSDP unit of their own (05, 04; experts_and_hybrid.md)
+                 → blocks wrapped for recomputation (07)
                  → flat shards over the DP × CP group (04: the CP ranks hold the same parameters);
                    HSDP (HYBRID_SHARD, _HYBRID_SHARD_ZERO2): over dp_shard × cp, all-reduced
                    over dp_replicate
-A MoE model takes experts.py's `parallelize_moe_3d`: this recipe with 05's MoE plan and, before
-FSDP, expert parallelism (`tensor_parallel` and `experts` below are its two seams).
+What only a MoE model needs (05's MoE plan and expert parallelism, the kernel's MoE layer) is
+imported inside the two steps that use it, so a dense model's copy of this recipe leaves it out.
 
 Under CP a rank holds the zig-zag chunks cp_rank and 2·cp−1−cp_rank of each sequence (s/cp
 tokens): `rank_inputs` gives it those tokens of each micro-batch and their global positions, which
@@ -26,7 +30,6 @@ that overlap this rank's shard, cuts their TP piece and keeps its 1/dp. A user's
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -75,18 +78,15 @@ class Parallel3DConfig:
         return virtual_stages(self.schedule, self.virtual_stages)
 
 
-def parallelize_3d(model: Llama, mesh: ParallelMesh, config: Parallel3DConfig, device: torch.device,
-                   tensor_parallel: Callable = parallelize_llama, experts: Callable | None = None
+def parallelize_3d(model: Llama, mesh: ParallelMesh, config: Parallel3DConfig, device: torch.device
                    ) -> tuple[list[FullyShardedDataParallel], dict[str, TPShard]]:
-    """This rank's FSDP-wrapped chunks, and the TPShard of every reference parameter they hold.
-    `tensor_parallel(chunk, tp_group, sp)` cuts a chunk (05's dense plan; a MoE model's plan);
-    `experts(chunks, tp_specs)`, if given, runs before recomputation and FSDP (expert parallelism)."""
+    """This rank's FSDP-wrapped chunks, and the TPShard of every reference parameter they hold."""
     chunks = apply_pipeline_split(model, mesh, config)
-    tp_specs = apply_tensor_parallel(chunks, mesh.tp_group, config.sequence_parallel, tensor_parallel)
+    tp_specs = apply_tensor_parallel(chunks, mesh.tp_group, config.sequence_parallel)
     if mesh.cp > 1:
         apply_context_parallel(chunks, mesh.cp_group)
-    if experts is not None:
-        experts(chunks, tp_specs)
+    if model.cfg.n_experts:
+        apply_expert_parallel(chunks, tp_specs, mesh, config, device)
     for chunk in chunks:
         apply_recompute(chunk.layers, config.activation_checkpointing)
     init = initializer(model.cfg, config.seed)
@@ -105,11 +105,44 @@ def apply_context_parallel(chunks: list[LlamaChunk], group) -> None:
         context_parallel(chunk, group)
 
 
-def apply_tensor_parallel(chunks: list[LlamaChunk], group, sp: bool,
-                          tensor_parallel: Callable = parallelize_llama) -> dict[str, TPShard]:
+def apply_tensor_parallel(chunks: list[LlamaChunk], group, sp: bool) -> dict[str, TPShard]:
     """05: each chunk cut over the TP group by LLAMA_TP_PLAN, in place (the embedding and the head
-    where the chunk holds them)."""
-    return {name: spec for chunk in chunks for name, spec in tensor_parallel(chunk, group, sp).items()}
+    where the chunk holds them); a MoE model's by 05's MoE plan (each MoE layer's experts cut too)."""
+    plan = parallelize_llama
+    if chunks[0].cfg.n_experts:
+        from tensor_parallel.moe_tensor_parallel import parallelize_moe_llama as plan
+    return {name: spec for chunk in chunks for name, spec in plan(chunk, group, sp).items()}
+
+
+def apply_expert_parallel(chunks: list[LlamaChunk], tp_specs: dict[str, TPShard], mesh: ParallelMesh,
+                          config: Parallel3DConfig, device: torch.device) -> None:
+    """05's expert parallelism on every MoE layer of this rank's chunks, in place (on the meta
+    device, before recomputation and FSDP): the experts of its EP slice e = mesh.ep_rank,
+    [e·E/ep, (e+1)·E/ep), dispatched by the counting all-to-all over the EP group, and its
+    GroupedExperts an FSDP unit over dp_shard_mod_ep (HSDP: and dp_replicate) dividing its
+    gradient by dp·cp (FSDP's own divisor, dp·cp/ep, would make it ep× too large). Each unit
+    draws only the TP piece of its experts that overlaps this rank's shard."""
+    from common.kernel.moe import MoEFeedForward
+    from tensor_parallel.expert_parallel import CountingDispatcher, expert_parallel, expert_slice
+
+    cfg = chunks[0].cfg
+    init, mine = initializer(cfg, config.seed), expert_slice(mesh.ep_rank, mesh.ep, cfg.n_experts)
+    for chunk in chunks:
+        for prefix, layer in chunk.named_modules():
+            if not isinstance(layer, MoEFeedForward):
+                continue
+            if mesh.ep > 1:  # else every expert here: the local dispatcher, no all-to-all
+                expert_parallel(layer, mesh.ep_group, CountingDispatcher)
+
+            def piece(name: str, _, prefix: str = prefix) -> torch.Tensor:
+                full = f"{prefix}.experts.{name}"
+                return local_piece(init(full), tp_specs[full])[mine]
+
+            layer.experts = FullyShardedDataParallel(
+                layer.experts, process_group=fsdp_groups(mesh, config.sharding_strategy, "dp_shard_mod_ep"),
+                sharding_strategy=ShardingStrategy[config.sharding_strategy],
+                mixed_precision=mixed_precision(config), device_id=device, shard_init_fn=piece)
+            layer.experts.set_gradient_divide_factor(mesh.dp * mesh.cp)
 
 
 def mixed_precision(config: Parallel3DConfig) -> MixedPrecision | None:

@@ -102,7 +102,7 @@ def holder_index(mesh: ParallelMesh, expert: bool) -> int:
     """This rank's place among the ranks of one replica that hold the same (pp, tp) parameters:
     its dp_shard·cp index j = s·C + c, or for an expert unit j div ep (dp_shard_mod_ep)."""
     at = mesh.coordinates
-    return at.dp_shard_mod_ep if expert else at.dp_shard * mesh.cp + at.cp
+    return at.dp_shard_mod_ep if expert else at.dp_shard_cp
 
 
 def first_holder(unit: UnitShard, mesh: ParallelMesh, expert: bool) -> bool:

@@ -21,15 +21,15 @@ attention passes K/V around the CP ring, and FSDP averages the gradients over dp
 
 `--check` gathers full gradients and parameters from the mesh against the single-device reference.
 HSDP (`--dp-replicate R`, HYBRID_SHARD): FSDP shards over dp_shard × cp, all-reduces each shard
-over the R replicas. A MoE model (`--ep N`): experts.py's recipe, each MoE layer's experts split
-over EP groups of N consecutive data-parallel ranks and cut over TP (experts_and_hybrid.md).
+over the R replicas. A MoE model (`--ep N`): the recipe's EP step, each MoE layer's experts split
+over EP groups of N consecutive data-parallel ranks and cut over TP (experts_and_hybrid.md). The
+checkpoint flags: train_checkpoint_flags.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -46,7 +46,6 @@ from common.cli import (
     require,
     validate_common,
 )
-from common.data import ByteCorpus
 from common.dist import DistContext
 from common.kernel.mesh import MeshError, MeshShape, build_mesh, mesh_shape
 from common.kernel.model import LlamaConfig, build_model
@@ -56,27 +55,10 @@ from common.reference import make_optimizer
 from common.run import Run, resolve_run
 from common.training import Strategy, run_main
 from parallel3d.accounting import describe_rank, memory_formula, memory_per_rank, schedule_extras
-from parallel3d.checkpoint.load import open_checkpoint
-from parallel3d.checkpoint.save import CheckpointError
-from parallel3d.checkpoint.trainer import (
-    DATA_KEYS,
-    RESUME,
-    Checkpointing,
-    CheckpointPlan,
-    TrainerState,
-    checkpoint_to_resume,
-    data_mismatch,
-    trainer_config,
-)
+from parallel3d.checkpoint.trainer import Checkpointing, CheckpointPlan, TrainerState
 from parallel3d.clip import clip_grad_norm_3d
 from parallel3d.comm_formulas import comm_bytes_by_dim, cp_bytes_per_step, formulas_by_group, group_labels
-from parallel3d.experts import (
-    all_to_all_formula,
-    dispatch_logs,
-    expert_slices,
-    load_imbalance,
-    parallelize_moe_3d,
-)
+from parallel3d.experts import all_to_all_formula, dispatch_logs, expert_slices, load_imbalance
 from parallel3d.lr_schedule import warmup_cosine_scheduler
 from parallel3d.parallelize import (
     HYBRID,
@@ -88,6 +70,7 @@ from parallel3d.parallelize import (
 )
 from parallel3d.recompute import MODES
 from parallel3d.shards import gather_full, shard_map
+from parallel3d.train_checkpoint_flags import add_checkpoint_flags, validate_checkpoint_flags
 from pipeline import PipelineExecutor, make_schedule, partition_error, schedule_error
 from pipeline.schedules import SCHEDULES, virtual_stages
 from tensor_parallel import check_cp_sizes, check_tp_sizes, vocab_parallel_loss
@@ -124,62 +107,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-lr-ratio", type=float, default=0.1, help="cosine floor, × --lr")
     add_checkpoint_flags(p)
     return p.parse_args(argv)
-
-
-# --- the checkpoint flags (checkpoint/trainer.py saves and loads) -----------------------------
-
-def data_identity(args: argparse.Namespace) -> dict:
-    """What the batch of step s depends on: DATA_KEYS and, for a byte corpus, the crc32 of its
-    bytes (the default corpus is this repository's text: an edit between save and resume moves
-    every window)."""
-    ident = {k: getattr(args, k, None) for k in DATA_KEYS}
-    if ident["data"] != "synthetic":
-        corpus = ByteCorpus(args.seq_len, args.seed, args.data).data
-        ident["corpus_crc32"] = zlib.crc32(corpus.to(torch.uint8).numpy().tobytes())
-    return ident
-
-
-def add_checkpoint_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
-                   help="save sharded checkpoints here (DIR/step-N/, DIR/latest)")
-    p.add_argument("--save-every", type=int, default=0, metavar="K",
-                   help="save after every K steps and after the last (0: after the last only)")
-    p.add_argument("--resume", nargs="?", const="must", default="never", choices=RESUME,
-                   help="continue from DIR/latest, saved on any mesh (bare --resume: must exist; "
-                        "auto: start fresh when DIR has no committed checkpoint, for torchrun restarts)")
-    p.add_argument("--keep", type=int, default=2, metavar="N", help="checkpoints kept in DIR")
-
-
-def validate_checkpoint_flags(args: argparse.Namespace, cfg) -> CheckpointPlan:
-    """Before any collective, on every rank: the flags, and the checkpoint to resume from (found,
-    complete, same model and data, not already past --steps). Namespaces built without the flags
-    (tests) mean no checkpoints."""
-    directory = getattr(args, "checkpoint_dir", None)
-    save_every, keep = getattr(args, "save_every", 0), getattr(args, "keep", 2)
-    resume = getattr(args, "resume", "never")
-    require(save_every >= 0, f"--save-every {save_every}: must be >= 0")
-    require(keep >= 1, f"--keep {keep}: must be >= 1")
-    require(save_every == 0 or directory is not None,
-            f"--save-every {save_every} without --checkpoint-dir: name the directory to save in")
-    require(resume == "never" or directory is not None,
-            f"--resume {resume} without --checkpoint-dir: name the directory to resume from")
-    require(resume == "never" or not args.check,
-            "--check with --resume: the single-device reference trains from step 0; drop one")
-    if directory is None:
-        return CheckpointPlan(None, save_every, keep)
-    data, config = data_identity(args), trainer_config(cfg, args.optimizer)
-    try:
-        path = checkpoint_to_resume(directory, resume)
-        if path is None:
-            return CheckpointPlan(directory, save_every, keep, None, data, config)
-        found, meta = open_checkpoint(path, config)
-    except CheckpointError as e:
-        raise ConfigError(f"--checkpoint-dir {directory} --resume: {e}") from None
-    mismatch = data_mismatch((meta.get("state") or {}).get("data", {}), data)
-    require(mismatch is None, f"{found}: {mismatch}")
-    require(meta["step"] < args.steps, f"--steps {args.steps}: {found} is already at step "
-            f"{meta['step']}; pass a larger --steps (the total) to train on")
-    return CheckpointPlan(directory, save_every, keep, found, data, config)
 
 
 @dataclass(frozen=True)
@@ -309,8 +236,7 @@ class Parallel3DStrategy(Strategy):
         self.device_mesh = mesh = build_mesh(run.mesh, DIMS)
         meta = build_model(run.model, dtype=run.dtype, device="meta")
         moe = run.model.n_experts > 0
-        recipe = parallelize_moe_3d if moe else parallelize_3d  # MoE: + EP before FSDP (experts.py)
-        self.chunks, tp_specs = recipe(meta, mesh, parallel, ctx.device)
+        self.chunks, tp_specs = parallelize_3d(meta, mesh, parallel, ctx.device)  # MoE: + EP before FSDP
         slices = expert_slices(tp_specs, mesh, run.model.n_experts) if moe else None
         self.shards = shard_map(self.chunks, tp_specs, mesh, slices)  # which reference elements it holds
         # the report's bytes over each line of more than one rank, beside their formulas
@@ -328,12 +254,12 @@ class Parallel3DStrategy(Strategy):
         self.executor = PipelineExecutor(self.schedule, mesh.pp_rank, self.chunks, self.loss, shape,
                                          run.compute_dtype, ctx.device, mesh.pp_group)
         self.name = f"3d-{parallel.schedule}"
-        self.mesh, self.dp_rank, self.dp_size = mesh.as_dict(), mesh.dp_rank, mesh.dp
+        self.dp_rank, self.dp_size = mesh.dp_rank, mesh.dp
         self.rank3d = describe_rank(run.model, mesh, self.schedule, self.chunks, parallel, run.micro_batch,
                                     run.seq_len, run.compute_dtype, run.clip_grad is not None, run.optimizer)
         self.busy_s, self.steps_done, self.cp_sent = 0.0, 0, [0.0]  # cp_sent: counting_sends
         state = TrainerState(self.shards, self.optimizer, self.scheduler, ctx.device,
-                             {"mesh": self.mesh, "dtype": run.dtype_name,
+                             {"mesh": run.mesh.as_dict(), "dtype": run.dtype_name,
                               "mixed_precision": run.mixed_precision})
         self.checkpoints = Checkpointing(state, options.checkpoint, run.steps, mesh.rank, mesh.size)
         self.start_step = self.checkpoints.resume()

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from common.kernel.comm_bytes import ring_fraction
 from common.kernel.patch import patch_dist
 
 
@@ -45,30 +46,26 @@ def _arg(args, kwargs, index: int, name: str, default=None):
     return args[index] if len(args) > index else kwargs.get(name, default)
 
 
-def _fraction(n: int, factor: float) -> float:
-    return factor * (n - 1) / n if n > 1 else 0.0
-
-
 def _all_to_all_bytes(args, kwargs) -> float:
     """Even: (n-1)/n · S; uneven (input_split_sizes): S less the rows this rank keeps for itself."""
     x, group, splits = _arg(args, kwargs, 1, "input"), _arg(args, kwargs, 4, "group"), _arg(
         args, kwargs, 3, "input_split_sizes")
     if not splits:
-        return _fraction(_group_size(group), 1.0) * _nbytes(x)
+        return ring_fraction(_group_size(group), 1.0) * _nbytes(x)
     return (sum(splits) - splits[dist.get_rank(group)]) * _nbytes(x) / max(sum(splits), 1)
 
 
 # op name → (args, kwargs) ↦ bytes this rank sends
 _COST: dict[str, Callable] = {
-    "all_reduce": lambda a, k: _fraction(_group_size(_arg(a, k, 2, "group")), 2.0)
+    "all_reduce": lambda a, k: ring_fraction(_group_size(_arg(a, k, 2, "group")), 2.0)
     * _nbytes(_arg(a, k, 0, "tensor")),
-    "all_gather_into_tensor": lambda a, k: _fraction(_group_size(_arg(a, k, 2, "group")), 1.0)
+    "all_gather_into_tensor": lambda a, k: ring_fraction(_group_size(_arg(a, k, 2, "group")), 1.0)
     * _nbytes(_arg(a, k, 0, "output_tensor")),
-    "all_gather_single": lambda a, k: _fraction(_group_size(_arg(a, k, 2, "group")), 1.0)
+    "all_gather_single": lambda a, k: ring_fraction(_group_size(_arg(a, k, 2, "group")), 1.0)
     * _nbytes(_arg(a, k, 0, "output_tensor")),
-    "reduce_scatter_tensor": lambda a, k: _fraction(_group_size(_arg(a, k, 3, "group")), 1.0)
+    "reduce_scatter_tensor": lambda a, k: ring_fraction(_group_size(_arg(a, k, 3, "group")), 1.0)
     * _nbytes(_arg(a, k, 1, "input")),
-    "reduce_scatter_single": lambda a, k: _fraction(_group_size(_arg(a, k, 3, "group")), 1.0)
+    "reduce_scatter_single": lambda a, k: ring_fraction(_group_size(_arg(a, k, 3, "group")), 1.0)
     * _nbytes(_arg(a, k, 1, "input")),
     "all_to_all_single": _all_to_all_bytes,
     "all_gather": lambda a, k: (_group_size(_arg(a, k, 2, "group")) - 1)

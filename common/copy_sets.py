@@ -8,13 +8,14 @@ chapters it composes (COMPOSES); always from the module that defines the name
 (`from fsdp.wrap import MixedPrecision`), never from a package's __init__.py, so that a copy
 works with an empty __init__.py. A third-party package in OPTIONAL may be imported inside the one
 function that needs it (a plot, an export format), never at the top of a file. Kernel files
-import only the standard library, torch and the kernel; a kernel file in OPTIONAL_KERNEL (the MoE
-layer) is imported inside the function that needs it where only some models use it (common/kernel/model.py
-builds a MoE block), so a dense copy leaves it out.
+import only the standard library, torch and the kernel. What only a mixture-of-experts model
+uses (the MoE layer of OPTIONAL_KERNEL and what imports it) is imported inside the function that
+needs it (common/kernel/model.py builds a MoE block; 07's recipe takes 05's MoE plan and expert
+parallelism), so a dense copy leaves it out.
 
 A piece's copy set is the import closure of its entry files: every project file they import,
 and those files' imports, down to the kernel (imports under `if TYPE_CHECKING:` excluded, and
-those of an OPTIONAL_KERNEL file inside a function: the README names it for the models that need it). Copy
+those inside a function: the README names them for the models that need them). Copy
 each file into a folder named by its package (01_data_parallel/ddp.py → data_parallel/ddp.py,
 common/kernel/clip.py → common/kernel/clip.py), with an empty __init__.py in each folder, on your import path:
 the imports then resolve as they are, with no edit. The test copies exactly that into an empty
@@ -71,7 +72,7 @@ COPY_SETS: dict[str, CopySet] = {
     "ZeroOptimizer": CopySet(
         "03_zero/README.md", "from zero.optimizer import ZeroOptimizer",
         ("03_zero/optimizer.py",),
-        ("03_zero/flat.py", "03_zero/offload.py", "03_zero/optimizer.py",
+        ("03_zero/arguments.py", "03_zero/flat.py", "03_zero/offload.py", "03_zero/optimizer.py",
          "03_zero/optimizer_state.py", "03_zero/sole_reducer.py", "common/kernel/clip.py",
          "common/kernel/collectives.py")),
     "FSDP": CopySet(
@@ -86,6 +87,11 @@ COPY_SETS: dict[str, CopySet] = {
         ("05_tensor_parallel/cross_entropy.py", "05_tensor_parallel/layers.py",
          "05_tensor_parallel/mappings.py", "05_tensor_parallel/parallelize.py",
          "05_tensor_parallel/sharding.py", "common/kernel/clip.py", "common/kernel/collectives.py")),
+    "expert parallelism": CopySet(
+        "05_tensor_parallel/expert_parallel.md",
+        "from tensor_parallel.expert_parallel import expert_parallel, is_expert",
+        ("05_tensor_parallel/expert_parallel.py", "common/kernel/clip.py"),  # clipping: the global norm
+        ("05_tensor_parallel/expert_parallel.py", "common/kernel/clip.py", "common/kernel/moe.py")),
     "ring attention": CopySet(
         "05_tensor_parallel/README.md", "from tensor_parallel.context_parallel import apply_context_parallel",
         ("05_tensor_parallel/context_parallel.py",),
@@ -188,19 +194,19 @@ def resolve(imp: Import) -> list[str]:
 
 def closure(entries: tuple[str, ...] | list[str], optional: bool = False) -> tuple[str, ...]:
     """Every project file the entries need at run time, the entries included, sorted; with
-    `optional`, also the OPTIONAL_KERNEL files they import inside a function."""
+    `optional`, also the files they import inside a function (for a MoE model)."""
     seen, todo = set(entries), list(entries)
     while todo:
         for imp in imports(todo.pop()):
             for f in resolve(imp) if not imp.typing_only else []:
-                if f not in seen and (optional or not imp.lazy or f not in OPTIONAL_KERNEL):
+                if f not in seen and (optional or not imp.lazy):
                     seen.add(f)
                     todo.append(f)
     return tuple(sorted(seen))
 
 
 def optional_files(piece: CopySet) -> tuple[str, ...]:
-    """The OPTIONAL_KERNEL files a piece's files import inside a function (and what they need)."""
+    """The files a piece's files import inside a function (and what those need): a MoE model's."""
     return tuple(f for f in closure(piece.files, optional=True) if f not in piece.files)
 
 
@@ -278,7 +284,9 @@ def readme_section(readme: str) -> str:
         for f in piece.files:
             folders.setdefault(str(Path(copy_path(f)).parent), []).append(link(f))
         links = "; ".join(f"`{folder}/` {', '.join(files)}" for folder, files in folders.items())
-        extra = "".join(f" For {OPTIONAL_KERNEL[f]}, also `{copy_path(f)}`." for f in optional_files(piece))
+        optional = optional_files(piece)
+        why = ", ".join(OPTIONAL_KERNEL[f] for f in optional if f in OPTIONAL_KERNEL)
+        extra = f" For {why}, also {', '.join(f'`{copy_path(f)}`' for f in optional)}." if optional else ""
         out += [fill(f"**{name}** (`{piece.use}`): {len(piece.files)} files, {total} lines: {links}.{extra}")]
     guide = os.path.relpath(ROOT / "CONTRIBUTING.md", here)
     out += [f"How to copy, and the test that trains a copy alone: [CONTRIBUTING.md]({guide}#copy-a-piece)."]

@@ -81,13 +81,12 @@ class Strategy:
     """What a chapter implements. The step is the loop's (`forward_backward`, `step`, `zero_grad`);
     a chapter fills its hooks, whose defaults fit DDP: a whole model on every rank, wrapped so that
     its backward averages the gradients, and an ordinary `self.optimizer`. Attributes: `name`
-    (report's "strategy"), `mesh` ({"dp": 2, "pp": 2, "tp": 2}), `dp_rank` / `dp_size` (the data
-    shard this rank takes), `model` (what a micro-batch runs through: the wrapper, e.g. DDP),
+    (report's "strategy"; its "mesh" is the run's), `dp_rank` / `dp_size` (the data shard this rank
+    takes), `model` (what a micro-batch runs through: the wrapper, e.g. DDP),
     `optimizer`, `clip_grad` (max norm; None: no clipping), `weights` (fp32 masters of a bf16
     model, copied into it after each step)."""
 
     name: str = "?"
-    mesh: dict[str, int]
     dp_rank: int = 0
     dp_size: int = 1
     start_step: int = 0  # > 0 when the strategy resumed from a checkpoint
@@ -335,7 +334,7 @@ def run_report(run: Run, ctx: DistContext, strategy: Strategy, chapter: int, mea
         memory["cuda_max_allocated"] = measured.peak.bytes
     return {
         "chapter": chapter, "strategy": strategy.name, "world_size": ctx.world_size,
-        "mesh": strategy.mesh, "backend": ctx.backend, "device": str(ctx.device),
+        "mesh": run.mesh.as_dict(), "backend": ctx.backend, "device": str(ctx.device),
         "dtype": run.dtype_name, "mixed_precision": run.mixed_precision,
         "steps": ran, "losses": losses, "micro_batch": run.micro_batch, "grad_accum": run.grad_accum,
         "tokens_per_s": ran * run.global_batch * run.seq_len / measured.seconds,

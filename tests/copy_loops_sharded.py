@@ -1,8 +1,9 @@
-"""The pieces of tests/copy_loops.py that shard the model (TP layers and plan, ring attention, the
-pipeline executor, parallelize_3d): each trains as a torch user writes it, saves its state (a file
-per rank where the piece shards it, on rank 0 alone where every rank holds it whole), rebuilds
-from other initial values, loads and trains on, beside the single-process reference. Loaded by
-copy_loops.py with its helpers as the module `copy_loops`; imports: the standard library, torch.
+"""The pieces of tests/copy_loops.py that shard the model (TP layers and plan, expert parallelism,
+ring attention, the pipeline executor, parallelize_3d): each trains as a torch user writes it,
+saves its state (a file per rank where the piece shards it, on rank 0 alone where every rank holds
+it whole), rebuilds from other initial values, loads and trains on, beside the single-process
+reference. Loaded by copy_loops.py with its helpers as the module `copy_loops`; imports: the
+standard library, torch.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from copy_loops import (
     CLIP,
     SEQ,
     STEPS,
+    Reference,
     adamw,
     batch,
     finish_step,
     fresh,
     params_diff,
+    rel,
     resume,
     save_on_rank0,
     save_per_rank,
@@ -56,6 +59,47 @@ def tensor_parallel(M, model, ref, args):
     resume(saved, net, opt, sched)
     norms += train([STEPS])
     return norms, params_diff(gather_full(dict(net.named_parameters()), specs).items(), ref)
+
+
+def expert_parallelism(M, model, ref, args):
+    """The user's MoE model (tiny-moe with 2 layers: one dense, one MoE) with its experts split over
+    the world, each rank its own rows: the user's DP all-reduces the replicated gradients; an
+    expert's arrives summed over its EP group (the all-to-all's backward); both ÷ world."""
+    ep = importlib.import_module("tensor_parallel.expert_parallel")
+    clip_grads_by_global_norm_ = importlib.import_module("common.kernel.clip").clip_grads_by_global_norm_
+    rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
+    model = M.build_model(M.get_config("tiny-moe", n_layers=2), seed=0, dtype=torch.float64)
+    ref, mine = Reference(model, M), ep.expert_slice(rank, world, model.cfg.n_experts)
+
+    def build(net):
+        ep.expert_parallel(net, group)  # each MoE layer keeps its E/ep experts, dispatches by all-to-all
+        return net, *adamw(net.parameters())
+
+    def train(steps):
+        norms = []
+        for step in steps:
+            tokens = batch(step, 2 * world, net.cfg.vocab_size)
+            rows = tokens[2 * rank:2 * rank + 2]
+            M.loss_fn(net(rows[:, :-1]), rows[:, 1:]).backward()
+            for name, p in net.named_parameters():
+                if not ep.is_expert(name):
+                    dist.all_reduce(p.grad)
+                p.grad /= world
+            counted = [p.grad for n, p in net.named_parameters() if ep.is_expert(n) or rank == 0]
+            norm = clip_grads_by_global_norm_([p.grad for p in net.parameters()], CLIP, counted=counted,
+                                              groups=(group,))  # disjoint experts, the rest once
+            norms.append(finish_step(opt, sched, norm, ref, tokens))
+        return norms
+
+    net, opt, sched = build(model)
+    norms = train(range(STEPS))
+    saved = save_per_rank(args, whole(net, opt, sched))  # each rank's experts
+    net, opt, sched = build(fresh(M, model))
+    resume(saved, net, opt, sched)
+    norms += train([STEPS])
+    full = ref.params()
+    return norms, max(rel(p.detach(), full[n][mine] if ep.is_expert(n) else full[n])
+                      for n, p in net.named_parameters())
 
 
 def ring_attention(M, model, ref, args):
@@ -191,5 +235,6 @@ def parallel_3d(M, model, ref, args):
     return norms, params_diff(final.items(), ref) if final else 0.0
 
 
-PIECES = {"TP layers and plan": tensor_parallel, "ring attention": ring_attention,
+PIECES = {"TP layers and plan": tensor_parallel, "expert parallelism": expert_parallelism,
+          "ring attention": ring_attention,
           "pipeline schedule and executor": pipeline, "parallelize_3d": parallel_3d}

@@ -107,7 +107,7 @@ def test_comm_formula_and_its_cp_ring_part_equal_the_meter(pools, chapter, mixed
 BAD_INPUT = [
     (["--cp", "2", "--tp", "2", "--pp", "2", "--dp", "2"],
      r"--dp 2 × --pp 2 × --cp 2 × --tp 2 = 16 != world size 8"),
-    (["--cp", "3"], r"world size 8 is not divisible by --pp 1 × --cp 3 × --tp 1 = 3"),
+    (["--cp", "3"], r"world size 8 is not divisible by --cp 3: launch a multiple of 3 ranks"),
     (["--cp", "0"], r"--cp 0: must be >= 1"),
     (["--cp", "2", "--seq-len", "30"], r"--cp 2 with --seq-len 30: .* divisible by 4"),
     (["--cp", "2", "--tp", "4", "--pp", "1", "--sequence-parallel", "--seq-len", "4"],

@@ -16,15 +16,17 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from common.dist import init_distributed
+from common.kernel.mesh import ParallelMesh
 from common.kernel.model import LlamaConfig, get_config
 from common.kernel.moe import moe_layers
 from common.training import build_and_train
 from fsdp.fully_sharded import FullyShardedDataParallel
-from parallel3d import experts
 from parallel3d import train as train3d
 from parallel3d.clip import clip_grad_norm_3d
+from parallel3d.parallelize import parallelize_3d
 from parallel3d.shards import ShardMap, first_holder
 from parallel3d.train import Parallel3DStrategy
+from tensor_parallel.expert_parallel import is_expert
 from tests.equivalence import TrainSpec, check_strategy, check_strategy_rejected, spec_args
 from tests.harness import RankError
 
@@ -101,7 +103,7 @@ def test_hsdp_ep_tp_check_passes_and_every_group_matches_its_formula(pools):
     reports = pools.run(8, train_cli, argv)
     assert all(r["check_passed"] for r in reports) and reports[0]["max_grad_diff"] < 1e-12
     assert reports[0]["free_running"]["max_param_diff"] < 1e-10
-    assert reports[0]["mesh"] == {"dp_replicate": 2, "dp_shard": 2, "pp": 1, "tp": 2, "ep": 2}
+    assert reports[0]["mesh"] == {"dp_replicate": 2, "dp_shard": 2, "tp": 2, "ep": 2}
     for r in reports:
         groups = [k for k in r if k.startswith("comm_bytes_") and f"{k}_formula" in r]
         assert sorted(groups) == ["comm_bytes_dp_replicate", "comm_bytes_dp_shard/ep", "comm_bytes_tp"]
@@ -132,7 +134,7 @@ def counted_by_the_dense_rule(shards: ShardMap, mesh) -> ShardMap:
     """Each expert piece counted as if its unit were replicated over the whole dp_shard × cp
     group, not over the ranks holding the same experts: only EP rank 0's experts count."""
     return replace(shards, pieces=tuple(
-        replace(p, counted=first_holder(shards.units[p.unit], mesh, False)) if experts.is_expert(p.name)
+        replace(p, counted=first_holder(shards.units[p.unit], mesh, False)) if is_expert(p.name)
         else p for p in shards.pieces))
 
 
@@ -142,16 +144,17 @@ class NormCountedOverTheWrongGroup(Parallel3DStrategy):
 
 
 def sliced_by_global_rank(*args, **kwargs):
-    with mock.patch.object(experts, "expert_rank", lambda mesh: mesh.rank % mesh.ep):
-        return experts.parallelize_moe_3d(*args, **kwargs)
+    with mock.patch.object(ParallelMesh, "ep_rank", property(lambda mesh: mesh.rank % mesh.ep)):
+        return parallelize_3d(*args, **kwargs)
 
 
 class ExpertSliceByGlobalRank(Parallel3DStrategy):
     """Each rank draws the experts of slice (global rank mod ep), not of its EP rank: under TP,
-    rank 1 (tp 1, ep 0) holds slice 1 while the all-to-all sends it slice 0's tokens."""
+    rank 1 (tp 1, ep 0) holds slice 1 while the all-to-all sends it slice 0's tokens (the recipe
+    only: the ShardMap still places each rank's pieces at its true slice)."""
 
     def __init__(self, run, ctx):
-        with mock.patch.object(train3d, "parallelize_moe_3d", sliced_by_global_rank):
+        with mock.patch.object(train3d, "parallelize_3d", sliced_by_global_rank):
             super().__init__(run, ctx)
 
 
@@ -198,12 +201,12 @@ FLAT = ["--tp", "1", "--pp", "1"]
     (["--model", "tiny-moe", *FLAT, "--ep", "3"], {},
      r"--ep 3 does not divide the 4 ranks it borrows .*: use one of --ep 1, 2, 4$"),
     (["--model", "tiny-moe", "--dp-replicate", "2", "--dp-shard", "2", "--ep", "4", *FLAT], {},
-     r"--ep 4 does not divide the 2 ranks it borrows \(dp_shard 2 × cp 1: EP groups are consecutive "
+     r"--ep 4 does not divide the 2 ranks it borrows \(dp_shard 2 × cp 1: its groups are consecutive "
      r"ranks of one replica\): use one of --ep 1, 2$"),
     (["--model", "tiny-moe", *FLAT, "--ep", "4"], {"n_experts": 6},
      r"--ep 4 does not divide the 6 experts .*: use one of --ep 1, 2$"),
     (["--dp-replicate", "2", "--dp-shard", "3"], {},
-     r"--dp-replicate 2 × --dp-shard 3 × .* = 6 != world size 4"),
+     r"--dp-replicate 2 × --dp-shard 3 = 6 != world size 4"),
     (["--model", "tiny-moe", "--cp", "2", "--tp", "1", "--pp", "1"], {},
      r"--cp 2 with --model tiny-moe, a mixture-of-experts model: .* use --cp 1"),
     (["--sharding-strategy", "HYBRID_SHARD"], {}, r"HYBRID_SHARD \(HSDP\) needs --dp-replicate R > 1"),

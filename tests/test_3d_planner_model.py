@@ -12,6 +12,7 @@ import pytest
 
 from parallel3d.memory_model import GB, Layout, layer_activation_bytes, memory_per_gpu, total_parameters
 from parallel3d.planner import MODELS, Hardware, model_flops_per_token, price, step_terms
+from parallel3d.planner.memory import memory_per_gpu as planner_memory
 
 
 def test_dp_ring_bandwidth_counts_the_nics_a_node_brings():
@@ -58,11 +59,14 @@ def test_sp_activations_are_korthikantis_count_for_this_llama():
         korthikanti = s * b * h * (20 + 8 * F / h) / t + s * b * (4 + 4 * a) / t
         assert layer_activation_bytes(cfg, b * s, s, t, True, "none", 2) == pytest.approx(
             korthikanti, rel=1e-12)
-    runs = [((20480, 105, 128, 35, 3, 280), 62.6, 83.2), ((25600, 128, 160, 64, 1, 512), 69.0, 92.7)]
-    for (h, L, a, pp, v, batch), now, before in runs:
+    runs = [((20480, 105, 128, 35, 3, 280), 62.6, 83.2, 55.8), ((25600, 128, 160, 64, 1, 512), 69.0,
+                                                                 92.7, 61.1)]
+    for (h, L, a, pp, v, batch), now, before, planner in runs:
         layout = Layout(tp=8, pp=pp, virtual_stages=v, recompute="selective")
         mem = memory_per_gpu(gpt(h, L, a, 51200), layout, 2048, batch)
         assert mem["total"] / GB == pytest.approx(now, abs=0.05) and mem["total"] < 0.9 * 80 * GB
+        priced = planner_memory(gpt(h, L, a, 51200), layout, 2048, batch)["total"]  # fused, saved.py
+        assert priced / GB == pytest.approx(planner, abs=0.05)
         with gathered_inputs_saved():
             assert memory_per_gpu(gpt(h, L, a, 51200), layout, 2048, batch)["total"] / GB == pytest.approx(
                 before, abs=0.05)

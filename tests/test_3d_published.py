@@ -34,7 +34,7 @@ from parallel3d.planner import (
     compare,
     gpu,
     main,
-    moe_memory_per_gpu,
+    memory_per_gpu,
     moe_parameters,
     moe_shape,
     price,
@@ -69,10 +69,11 @@ def test_bf16_run_predicted_within_the_band(run):
 
 
 def test_fp8_runs_are_predicted_below_published():
-    """FP8 matmuls run on a peak twice the bf16 one the model prices (and DeepSeek-V3's DualPipe
-    hides the all-to-alls it puts on the critical path): every FP8 run comes out slower."""
-    fp8 = [c for c in compare() if c.run.fp8]
-    assert len(fp8) == 4 and all(c.ratio < 1 for c in fp8), [(c.run.name, c.ratio) for c in fp8]
+    """FP8 matmuls run on a peak twice the bf16 one the model prices: torchtitan's FP8 runs come
+    out slower. DeepSeek-V3 is held to the band (test_3d_planner_deepseek.py): its all-to-alls,
+    as long as its compute, hide under DualPipe's pairs, and the step is theirs."""
+    fp8 = [c for c in compare() if c.run.fp8 and c.run.model != "deepseek-v3"]
+    assert len(fp8) == 3 and all(c.ratio < 1 for c in fp8), [(c.run.name, c.ratio) for c in fp8]
 
 
 def test_the_band_rejects_an_efficiency_off_by_a_third():
@@ -97,14 +98,14 @@ def test_megatron_2021_figures_and_their_systematic_trend():
 def test_2021_runs_needed_full_recomputation_because_they_had_neither_sp_nor_flash():
     """Megatron-LM 2021 had neither sequence parallelism nor flash attention (both 2022): priced
     so, each run fits in 90% of its 80 GB only with full recomputation, as it ran; with both, its
-    TP 8 runs (18B-1T) fit with none."""
+    TP 4 and TP 8 runs (7.5B-1T) fit with none."""
     for r in (r for r in RUNS if r.source is MEGATRON_2021):
         assert not (r.sequence_parallel or r.flash_attention) and r.recompute == "full", r.name
         total = {ac: price_published(dataclasses.replace(r, recompute=ac)).plan.memory["total"]
                  for ac in ("none", "selective", "full")}
         assert total["full"] <= 0.9 * 80 * GB < min(total["none"], total["selective"]), (r.name, total)
         modern = dataclasses.replace(r, recompute="none", sequence_parallel=True, flash_attention=True)
-        assert price_published(modern).plan.fits == (r.tp == 8), r.name
+        assert price_published(modern).plan.fits == (r.tp >= 4), r.name
 
 
 def test_the_pick_says_its_assumptions_and_a_run_without_them_is_priced(capsys):
@@ -124,12 +125,13 @@ def test_the_pick_says_its_assumptions_and_a_run_without_them_is_priced(capsys):
 
 def test_deepseek_v3_tokens_per_gpu_from_its_gpu_hours():
     """14.8T tokens in 2.664M H800 GPU hours: 1,543 tokens/s per GPU, 54 days on its 2,048 GPUs
-    (the article: "about two months")."""
+    (the article: "about two months"), 180K GPU hours per trillion tokens. Its all-to-alls take
+    as long as its compute (the report: "approximately 1:1"): DualPipe hides them."""
     run = next(r for r in RUNS if r.model == "deepseek-v3")
     assert run.value == pytest.approx(14.8e12 / (2.664e6 * 3600)) and round(run.value) == 1543
-    assert round(2.664e6 / run.gpus / 24) == 54
-    c = price_published(run)
-    assert c.plan.times["ep"] > c.plan.times["compute"] - c.plan.times["bubble"]  # EP dominates
+    assert round(2.664e6 / run.gpus / 24) == 54 and round(1e12 / run.value / 3600, -3) == 180_000
+    t = price_published(run).plan.times
+    assert 0.8 < t["ep_hidden"] / (t["compute"] - t["bubble"]) < 1.2
 
 
 def test_published_report_prints_every_run_and_its_source(capsys):
@@ -173,13 +175,13 @@ def test_experts_shard_over_ep_and_zero_over_the_rest():
     """Weights: E/ep experts per GPU. ZeRO-1's optimizer state: 1/d of the dense part and, of the
     experts, 1/(d/ep) of the E/ep a GPU holds: the same bytes whatever ep."""
     cfg, moe = MOE_MODELS["mixtral-8x7b"]
-    mem = {ep: moe_memory_per_gpu(cfg, moe, Layout(dp=8, zero=1, ep=ep), 4096, 1) for ep in (1, 2, 8)}
+    mem = {ep: memory_per_gpu(cfg, Layout(dp=8, zero=1, ep=ep), 4096, 1, moe=moe) for ep in (1, 2, 8)}
     experts = cfg.n_layers * moe.n_experts * 3 * cfg.dim * moe.moe_hidden_dim  # 45.1B of 46.7B
     assert mem[1]["weights"] - mem[8]["weights"] == pytest.approx(2 * experts * 7 / 8)
     assert mem[1]["optimizer"] == pytest.approx(mem[8]["optimizer"], rel=1e-6)
     assert mem[2]["optimizer"] == pytest.approx(mem[8]["optimizer"], rel=1e-6)
     with pytest.raises(ValueError, match="must divide dp·cp"):
-        moe_memory_per_gpu(cfg, moe, Layout(dp=8, zero=1, ep=16), 4096, 1)
+        memory_per_gpu(cfg, Layout(dp=8, zero=1, ep=16), 4096, 1, moe=moe)
 
 
 def test_all_to_all_bytes_per_rank():
@@ -265,14 +267,17 @@ def test_ep_inside_a_node_is_cheap_and_across_nodes_is_not():
 
 def test_deepseek_v3s_own_layout_is_priced_above_tp8_by_its_all_to_alls(capsys):
     """DeepSeek-V3's PP 16 × EP 64 × ZeRO-1: with the all-to-alls across 8 nodes on the critical
-    path the model prices it above TP 8 × PP 16 × DP 16 (`--article`'s pick), by its EP term.
-    (`--article` plans thousands of layouts; this prices the two.)"""
+    path (1F1B) the model prices it above TP 8 × PP 16 × DP 16 (`--article`'s pick), by its EP
+    term; on DualPipe with its recomputation and FP8 activations, which the search does not try,
+    30% below it. (`--article` plans thousands of layouts; this prices the two.)"""
     cfg, moe = MOE_MODELS["deepseek-v3"]
     hw = gpu("H800")
     theirs, pick = (price(cfg, Layout(tp=t, pp=16, dp=dp, ep=ep, zero=1, sequence_parallel=t > 1),
                           4096, 15360, 80, hw, moe=moe) for t, dp, ep in ((1, 128, 64), (8, 16, 1)))
     assert theirs.step_s > 1.2 * pick.step_s
     assert theirs.times["ep"] > theirs.step_s - pick.step_s > 0 and pick.times["ep"] == 0
+    recipe = price_published(next(r for r in RUNS if r.model == "deepseek-v3")).plan
+    assert recipe.step_s / pick.step_s - 1 == pytest.approx(-0.30, abs=0.01)
     assert main(["--model", "mixtral-8x7b", "--gpus", "8", "--gpu-mem-gb", "141", "--top", "2",
                  "--skew", "1.5", "--global-batch", "16"]) == 0
     assert "46.70B parameters (12.88B active)" in capsys.readouterr().out

@@ -191,7 +191,7 @@ def validate_argv(argv: list[str], world_size: int):
 
 @pytest.mark.parametrize("argv, message", [
     (["--dp", "2", "--pp", "2", "--tp", "4"], r"--dp 2 × --pp 2 × --tp 4 = 16 != world size 8"),
-    (["--pp", "3"], r"world size 8 is not divisible by --pp 3 × --tp 1 = 3"),
+    (["--pp", "3"], r"world size 8 is not divisible by --pp 3: launch a multiple of 3"),
     (["--tp", "8", "--model", "tiny"], r"--tp 8: n_heads=4 is not divisible by the TP size 8"),
     (["--tp", "2", "--sequence-parallel", "--seq-len", "63"], r"sequence length divisible by 2"),
     (["--pp", "8", "--schedule", "interleaved", "--microbatches", "8"], r"virtual stages"),

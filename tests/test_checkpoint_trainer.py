@@ -25,6 +25,7 @@ from common.dist import init_distributed
 from common.kernel.model import LlamaConfig
 from common.training import build_and_train, rank_micro_batches
 from parallel3d import train as train3d
+from parallel3d import train_checkpoint_flags as checkpoint_flags
 from parallel3d.checkpoint.load import read_full
 from parallel3d.checkpoint.save import CheckpointError
 from parallel3d.checkpoint.trainer import (
@@ -63,7 +64,7 @@ def build(mesh, steps: int = TOTAL):
 
 def identity(args) -> dict:
     """What save_trainer_state / load_trainer_state check a checkpoint against."""
-    return {"data": train3d.data_identity(args), "config": trainer_config(CFG, args.optimizer)}
+    return {"data": checkpoint_flags.data_identity(args), "config": trainer_config(CFG, args.optimizer)}
 
 
 def train(strategy, config, args, start: int, stop: int) -> None:
@@ -157,10 +158,10 @@ def test_an_edited_corpus_is_a_mismatch(tmp_path):
     corpus.write_bytes(b"abcdefgh" * 64)
     args = make_args((1, 1, 1))
     args.data = str(corpus)
-    saved = train3d.data_identity(args)
-    assert data_mismatch(saved, train3d.data_identity(args)) is None
+    saved = checkpoint_flags.data_identity(args)
+    assert data_mismatch(saved, checkpoint_flags.data_identity(args)) is None
     corpus.write_bytes(b"abcdefgX" * 64)
-    changed = data_mismatch(saved, train3d.data_identity(args))
+    changed = data_mismatch(saved, checkpoint_flags.data_identity(args))
     assert "the corpus changed since the checkpoint was saved" in changed
 
 
@@ -176,7 +177,7 @@ def test_resume_rules_and_a_checkpoint_of_another_model(pools, tmp_path):
 
     # the same checks as flags, before any collective (what train.py's validate would call)
     ck = str(tmp_path / "ck")
-    assert train3d.validate_checkpoint_flags(make_args((1, 1, 1), checkpoint_dir=ck, resume="must"),
+    assert checkpoint_flags.validate_checkpoint_flags(make_args((1, 1, 1), checkpoint_dir=ck, resume="must"),
                                              CFG).resume_from == tmp_path / "ck" / "step-00000001"
     bad = [({"checkpoint_dir": None, "resume": "must"}, {}, r"--resume must without --checkpoint-dir"),
            ({"checkpoint_dir": None, "save_every": 2}, {}, r"--save-every 2 without --checkpoint-dir"),
@@ -190,7 +191,7 @@ def test_resume_rules_and_a_checkpoint_of_another_model(pools, tmp_path):
         args = make_args((1, 1, 1), **flags)
         vars(args).update(override)
         with pytest.raises(ConfigError, match=message):
-            train3d.validate_checkpoint_flags(args, override.get("cfg", CFG))
+            checkpoint_flags.validate_checkpoint_flags(args, override.get("cfg", CFG))
 
 
 # --- the CLI: train.py's flags, the loop's start_step and after_step ---------------------------

@@ -258,7 +258,7 @@ def test_recorded_ring_groups_are_the_plan_and_bytes_the_formula(pools, cp):
 
 
 def cp_strategy(spec: TrainSpec, tp: int, cp: int, sequence_parallel: bool):
-    run = spec_run(spec, tp_train.validate, tp=tp, cp=cp, ep=None, sequence_parallel=sequence_parallel)
+    run = spec_run(spec, tp_train.validate, tp=tp, cp=cp, sequence_parallel=sequence_parallel)
     return tp_train.TensorParallelStrategy(run, init_distributed())
 
 
@@ -275,9 +275,9 @@ def validate_argv(argv: list[str]):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--cp", "3"], r"--cp 3 does not divide the world of 4 ranks"),
+    (["--cp", "3"], r"world size 4 is not divisible by --cp 3"),
     (["--cp", "0"], r"--cp 0: must be >= 1"),
-    (["--cp", "2", "--tp", "4"], r"--tp 4 × --cp 2 is larger than the world of 4 ranks"),
+    (["--cp", "2", "--tp", "4"], r"world size 4 is not divisible by --cp 2 × --tp 4 = 8"),
     (["--cp", "2", "--seq-len", "6"], r"into 4 equal chunks \(cp = 2\): use a sequence length divisible"),
 ])
 def test_bad_cp_input_fails_on_every_rank_before_any_collective(pools, argv, message):

@@ -57,21 +57,25 @@ def test_each_copy_set_is_the_import_closure_of_its_entries():
             f"{copy_sets.closure(piece.entries)}: update COPY_SETS in common/copy_sets.py")
 
 
-MOE_PIECES: tuple[str, ...] = ()  # pieces that exist for a MoE model (none is a copy set yet)
+MOE_PIECES = ("expert parallelism",)  # pieces that exist for a MoE model
 
 
 def test_moe_stays_out_of_the_loop_the_executor_and_every_dense_copy():
     """The shared loop and the pipeline executor tell a module with its own loss term its scale
     through the module's `aux_loss_scale`, without importing common/kernel/moe.py;
-    common/kernel/model.py imports
-    it only to build a MoE block; so no dense piece's copy carries it (parallelize_3d's names it
-    for a MoE model). Re-adding the import anywhere on those paths turns this red."""
-    for path in ("common/training.py", "06_pipeline/executor.py", "common/kernel/model.py"):
+    common/kernel/model.py imports it only to build a MoE block, and 07's recipe 05's MoE plan and
+    expert parallelism only in the two steps a MoE model takes; so no dense piece's copy carries
+    them (parallelize_3d's README names them for a MoE model). Re-adding an import at the top of
+    any of those files turns this red."""
+    for path in ("common/training.py", "06_pipeline/executor.py", "common/kernel/model.py",
+                 "07_3d/parallelize.py"):
         assert "common/kernel/moe.py" not in copy_sets.closure((path,)), f"{path} imports the MoE layer"
     for name, piece in COPY_SETS.items():
         if name not in MOE_PIECES:
             assert "common/kernel/moe.py" not in piece.files + copy_sets.closure(piece.entries), name
-    assert copy_sets.optional_files(COPY_SETS["parallelize_3d"]) == ("common/kernel/moe.py",)
+    assert copy_sets.optional_files(COPY_SETS["parallelize_3d"]) == (  # 05's MoE plan and EP
+        "05_tensor_parallel/expert_parallel.py", "05_tensor_parallel/formulas.py",
+        "05_tensor_parallel/moe_tensor_parallel.py", "common/kernel/moe.py")
 
 
 def test_each_readme_gives_its_pieces_copy_sets():

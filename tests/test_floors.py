@@ -96,3 +96,17 @@ def test_a_planted_climbing_import_is_seen(tmp_path: Path, monkeypatch: pytest.M
     assert [floor(b) > floor(a) for a, b, _ in fake] == [True, True]
     assert floor("07_3d/parallelize.py") > floor("06_pipeline/executor.py") > floor("common/run.py")
     assert floor("06_pipeline/figures/lesson.py") == floor("06_pipeline/train.py") == 4
+
+
+MAX_LINES = 400  # a file is one idea that fits a reading; split a longer one by idea
+
+
+def long_files(root: Path, paths: list[str]) -> list[str]:
+    lengths = {p: len((root / p).read_text(encoding="utf-8").splitlines()) for p in paths}
+    return [f"{p}: {n} lines" for p, n in lengths.items() if n > MAX_LINES]
+
+
+def test_every_file_of_the_chapters_and_common_is_at_most_400_lines(tmp_path: Path) -> None:
+    assert long_files(ROOT, project_files()) == []
+    (tmp_path / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))  # the check can fail
+    assert long_files(tmp_path, ["long.py"]) == [f"long.py: {MAX_LINES + 1} lines"]

@@ -158,7 +158,7 @@ def subgroup_strategy(spec: TrainSpec, sharding: str) -> FSDPStrategy:
     groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     group = groups[dist.get_rank() % 2]
     strategy = FSDPStrategy(fsdp_run(spec, sharding, dp=2), init_distributed(), process_group=group)
-    strategy.dp_rank, strategy.dp_size, strategy.mesh = dist.get_rank(group), 2, {"dp": 2, "replica": 2}
+    strategy.dp_rank, strategy.dp_size = dist.get_rank(group), 2
     return strategy
 
 

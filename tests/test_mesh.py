@@ -1,11 +1,14 @@
 """The kernel's mesh (common/kernel/mesh.py): the rank layout, the lines of every dimension, the refusals,
-and the groups it builds. The chapters' hand builders it replaced are kept here as the oracle: on
-drawn shapes the mesh's lines equal theirs (04's HSDP node split, 05's TP/CP/gradient groups, 05's
-expert groups, 07's 3D mesh). EP groups are consecutive ranks: the numbers of a strided EP layout
-are exact, only its all-to-alls cross nodes, so only a check of the rank lists sees it."""
+and the groups it builds. The builders it replaced are kept here as the oracle: on drawn shapes the
+mesh's lines equal theirs (04's HSDP node split, 05's TP/CP/gradient groups, 05's expert groups,
+07's 3D mesh, and the mesh's own earlier table of lines named by what they hold fixed). EP groups
+are consecutive ranks: the numbers of a strided EP layout are exact, only its all-to-alls cross
+nodes, so only a check of the rank lists sees it. A new dimension is two edits of mesh.py: the
+Ulysses × ring split of cp is made here in exactly those two, and its lines checked."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from itertools import pairwise
 
 import pytest
@@ -16,9 +19,9 @@ from hypothesis import strategies as st
 
 from common.kernel.mesh import (
     LINES,
-    Coordinates,
     MeshError,
     MeshShape,
+    borrowed,
     build_mesh,
     coordinates,
     global_rank,
@@ -66,6 +69,31 @@ def mesh_3d_ranks(dp: int, pp: int, tp: int, cp: int) -> dict[str, list[list[int
             "dp_cp": lines(("dp", "cp")), "pp": lines(("pp",))}
 
 
+def held_fixed_ranks(shape: MeshShape) -> dict[str, list[list[int]]]:
+    """The mesh's own earlier table: each dimension's lines listed by the coordinates they hold
+    fixed, a rank's coordinates read off the rank formula by hand."""
+    held = {"tp": ("pp", "dp_replicate", "dp_shard", "cp"), "cp": ("pp", "dp_replicate", "dp_shard", "tp"),
+            "ep": ("pp", "dp_replicate", "dp_shard_mod_ep", "tp"),
+            "dp_shard": ("pp", "dp_replicate", "cp", "tp"), "dp_shard_cp": ("pp", "dp_replicate", "tp"),
+            "dp_replicate": ("pp", "dp_shard", "cp", "tp"), "dp": ("pp", "cp", "tp"), "dp_cp": ("pp", "tp"),
+            "dp_shard_mod_ep": ("pp", "dp_replicate", "ep", "tp"), "expert_dp": ("pp", "ep", "tp"),
+            "pp": ("dp_replicate", "dp_shard", "cp", "tp")}
+    out = {}
+    for dim, fixed in held.items():
+        lines: dict[tuple[int, ...], list[int]] = {}
+        for rank in range(shape.world):
+            t, rest = rank % shape.tp, rank // shape.tp
+            c, rest = rest % shape.cp, rest // shape.cp
+            s, rest = rest % shape.dp_shard, rest // shape.dp_shard
+            r, p = rest % shape.dp_replicate, rest // shape.dp_replicate
+            j = s * shape.cp + c
+            at = {"pp": p, "dp_replicate": r, "dp_shard": s, "cp": c, "tp": t, "ep": j % shape.ep,
+                  "dp_shard_mod_ep": j // shape.ep}
+            lines.setdefault(tuple(at[f] for f in fixed), []).append(rank)
+        out[dim] = [lines[key] for key in sorted(lines)]
+    return out
+
+
 def same_lines(new: dict[str, list[list[int]]], old: dict[str, list[list[int]]]) -> None:
     for dim, lines in old.items():
         assert sorted(new[dim]) == sorted(lines), (dim, new[dim], lines)
@@ -93,8 +121,11 @@ def test_rank_layout_tp_innermost_then_cp_then_dp_then_pp():
     hsdp = group_ranks(MeshShape(dp_replicate=2, dp_shard=2, tp=2))
     assert hsdp["dp_shard"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert hsdp["dp_replicate"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert coordinates(5, MeshShape(pp=2, dp_shard=2, tp=2)) == Coordinates(
-        pp=1, dp_replicate=0, dp_shard=0, cp=0, tp=1, dp=0, ep=0, dp_shard_mod_ep=0)
+    assert coordinates(5, MeshShape(pp=2, dp_shard=2, tp=2)) == {
+        "pp": 1, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 1, "ep": 0, "dp_shard_mod_ep": 0,
+        "dp_shard_cp": 0, "dp": 0, "dp_cp": 0, "expert_dp": 0}
+    at = coordinates(13, MeshShape(dp_replicate=2, dp_shard=2, cp=2, tp=2, ep=2))  # r 1, s 1, c 0, t 1
+    assert (at.dp, at.dp_cp, at.dp_shard_cp, at.ep, at.dp_shard_mod_ep, at.expert_dp) == (3, 6, 2, 0, 1, 3)
 
 
 @given(shapes())
@@ -110,6 +141,10 @@ def test_every_rank_is_on_one_line_of_each_dimension_and_round_trips(shape):
         assert sorted(r for line in dim_lines for r in line) == list(range(shape.world)), dim
         assert all(len(line) == sizes[dim] for line in dim_lines), dim
     assert all(global_rank(coordinates(r, shape), shape) == r for r in range(shape.world))
+    for r in range(shape.world):  # a rank's index within each line is its place in the line's list
+        at = coordinates(r, shape)
+        assert all(next(line for line in lines[d] if r in line).index(r) == at[d] for d in LINES), r
+        assert all(shape.size(d) == sizes[d] for d in LINES)
 
 
 @given(shapes())
@@ -135,6 +170,13 @@ def test_mesh_lines_equal_the_3d_meshs(shape):
 
 
 @given(shapes())
+@example(MeshShape(pp=2, dp_replicate=2, dp_shard=3, cp=2, tp=2, ep=3))  # ep cuts across s and c
+def test_mesh_lines_named_by_what_varies_equal_the_table_of_what_they_hold_fixed(shape):
+    """Every line of every dimension, in the same order (build_mesh's new_group order)."""
+    assert group_ranks(shape) == held_fixed_ranks(shape)
+
+
+@given(shapes())
 @example(MeshShape(dp_shard=2, cp=2, tp=2))
 def test_mesh_lines_equal_tensor_parallels(shape):
     shape = MeshShape(dp_shard=shape.dp_shard, cp=shape.cp, tp=shape.tp)
@@ -154,6 +196,39 @@ def test_mesh_lines_equal_expert_parallels(world, data):
     same_lines(group_ranks(MeshShape(dp_shard=world, ep=ep)), expert_groups_ranks(world, ep))
 
 
+# --- a new dimension: two edits -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UlyssesShape(MeshShape):
+    """Edit 1 of 2: cp cut into a ring of Ulysses groups, cp = r × u (u consecutive CP ranks)."""
+
+    cp_ulysses: int = borrowed("cp", rest="cp_ring")
+
+
+@pytest.mark.parametrize("shape", [UlyssesShape(dp_shard=2, cp=4, tp=2, cp_ulysses=2),
+                                   UlyssesShape(pp=2, cp=6, tp=1, ep=3, cp_ulysses=3),
+                                   UlyssesShape(dp_replicate=2, cp=4, tp=2, cp_ulysses=4)])
+def test_a_new_dimension_is_a_field_and_its_lines(shape, monkeypatch):
+    """Edit 2 of 2: its lines, named by what varies. Then the Ulysses groups are u neighbouring CP
+    ranks (stride tp), the ring joins the ranks of the same Ulysses index (stride tp·u), each
+    rank's (cp_ring, cp_ulysses) is its cp = r·u + u_i, and every other line is as before."""
+    before = group_ranks(MeshShape(**{n: v for n, v in shape.sizes().items() if n != "cp_ulysses"}))
+    monkeypatch.setitem(LINES, "cp_ulysses", ("cp_ulysses",))
+    monkeypatch.setitem(LINES, "cp_ring", ("cp_ring",))
+    u, lines = shape.cp_ulysses, group_ranks(shape)
+    assert all(lines[d] == before[d] for d in before)
+    assert all([b - a for a, b in pairwise(line)] == [shape.tp] * (u - 1) for line in lines["cp_ulysses"])
+    assert all([b - a for a, b in pairwise(line)] == [shape.tp * u] * (shape.cp // u - 1)
+               for line in lines["cp_ring"])
+    for rank in range(shape.world):
+        at = coordinates(rank, shape)
+        assert at.cp == at.cp_ring * u + at.cp_ulysses and global_rank(at, shape) == rank
+    assert shape.size("cp_ring") == shape.cp // u and shape.as_dict()["cp_ulysses"] == u
+    with pytest.raises(MeshError, match=r"cp_ulysses 3 does not divide cp = 4 \(it borrows those ranks\)"):
+        UlyssesShape(cp=4, cp_ulysses=3)
+
+
 # --- the refusals ---------------------------------------------------------------------------------
 
 
@@ -167,7 +242,7 @@ def test_mesh_shape_infers_dp_and_the_halves():
 
 
 @pytest.mark.parametrize("world, sizes, message", [
-    (8, {"tp": 4, "dp": 2, "cp": 2}, r"--dp 2 × --pp 1 × --cp 2 × --tp 4 = 16 != world size 8"),
+    (8, {"tp": 4, "dp": 2, "cp": 2}, r"--dp 2 × --cp 2 × --tp 4 = 16 != world size 8"),
     (8, {"tp": 4, "pp": 2, "dp": 2}, r"--dp 2 × --pp 2 × --tp 4 = 16 != world size 8.*omit --dp"),
     (6, {"tp": 2, "pp": 2}, r"world size 6 is not divisible by --pp 2 × --tp 2 = 4"),
     (8, {"cp": 0}, r"--cp 0: must be >= 1"),
@@ -176,8 +251,10 @@ def test_mesh_shape_infers_dp_and_the_halves():
     (8, {"dp_replicate": 3}, r"--dp-replicate 3 × --dp-shard 2 = 6 != dp 8: .* use --dp-replicate 1 "
                              r"--dp-shard 8 or --dp-replicate 2 --dp-shard 4"),
     (8, {"dp": 4, "tp": 2, "dp_replicate": 2, "dp_shard": 4}, r"--dp-replicate 2 × --dp-shard 4 = 8 != dp 4"),
-    (8, {"dp_replicate": 2, "dp_shard": 2}, r"--dp-replicate 2 × --dp-shard 2 × --pp 1 × --tp 1 = 4 != "
+    (8, {"dp_replicate": 2, "dp_shard": 2}, r"--dp-replicate 2 × --dp-shard 2 = 4 != "
                                            r"world size 8: .* omit one of the two to infer it"),
+    (6, {"tp": 4}, r"world size 6 is not divisible by --tp 4: launch a multiple of 4 ranks"),
+    (8, {"tp_size": 2}, r"unknown mesh dimension\(s\) \['tp_size'\]"),
     (8, {"tp": 2, "ep": 3}, r"--ep 3 does not divide the 4 ranks it borrows \(dp_shard 4 × cp 1.*use one of "
                             r"--ep 1, 2, 4$"),
     (8, {"dp_replicate": 2, "ep": 8}, r"--ep 8 does not divide the 4 ranks it borrows"),
@@ -195,6 +272,8 @@ def test_a_shape_refuses_itself():
         MeshShape(dp_shard=2, cp=2, ep=3)
     with pytest.raises(MeshError, match=r"unknown mesh dimension\(s\) \['dp_pp'\]"):
         group_ranks(MeshShape(), ["dp_pp"])
+    with pytest.raises(MeshError, match=r"unknown mesh dimension 'dp_pp'"):
+        MeshShape().size("dp_pp")
 
 
 # --- the builder, on the rank pool ------------------------------------------------------------------

@@ -74,10 +74,12 @@ def test_aux_loss_not_divided_like_the_loss_is_rejected(pools):
 
 
 def test_context_parallelism_and_the_dense_plan_refuse_a_moe_model():
-    """05's CP refuses MoE loudly rather than shard the router's per-sequence sums (in validate,
-    before any collective), and the dense TP plan refuses it rather than skip the experts, naming
-    the MoE plan (moe_tensor_parallel.parallelize_moe_llama) for a caller that skips validate."""
-    with pytest.raises(ConfigError, match=r"--model tiny-moe is a mixture-of-experts model: not --cp 2"):
+    """05's TP/CP demo refuses MoE loudly rather than shard the router's per-sequence sums (in
+    validate, before any collective), naming the experts' own demo (train_expert.py, no CP), and
+    the dense TP plan refuses it rather than skip the experts, naming the MoE plan
+    (moe_tensor_parallel.parallelize_moe_llama) for a caller that skips validate."""
+    with pytest.raises(ConfigError, match=r"--model tiny-moe is a mixture-of-experts model: train it with "
+                                          r"expert parallelism, make run-5-ep \(05_tensor_parallel/"):
         validate(parse_args(["--model", "tiny-moe", "--cp", "2"]), 2)
     with pytest.raises(ValueError, match=r"mixture-of-experts.*parallelize_moe_llama"):
         parallelize_llama(build_model(get_config("tiny-moe"), device="meta"), tp_group=None)

@@ -526,7 +526,7 @@ def test_train_check_passes_and_report_matches_formulas(pools, schedule, extra):
     report = reports[0]
     assert 0 <= report["bubble_fraction"] < 1
     assert report["bubble_formula"] == pytest.approx(report["bubble_simulated"])
-    assert report["mesh"] == {"pp": 2}
+    assert report["mesh"] == {"dp": 1, "pp": 2}
 
 
 # --- for chapter 07: a pipeline over a sub-group, and the after-backward hook ------------------

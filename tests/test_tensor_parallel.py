@@ -249,7 +249,7 @@ def test_a_plan_entry_naming_no_module_fails_before_anything_is_cut():
 
 
 def tp_strategy(spec: TrainSpec, tp: int, sequence_parallel: bool, broken: str | None = None):
-    run = spec_run(spec, tp_train.validate, tp=tp, cp=1, ep=None, sequence_parallel=sequence_parallel)
+    run = spec_run(spec, tp_train.validate, tp=tp, cp=1, sequence_parallel=sequence_parallel)
     strategy = tp_train.TensorParallelStrategy(run, init_distributed())
     if broken:
         BREAK[broken](strategy, spec)
@@ -462,8 +462,8 @@ def validate_argv(argv: list[str], cfg: LlamaConfig | None = None):
 
 
 @pytest.mark.parametrize("argv, cfg, message", [
-    (["--tp", "8"], None, r"--tp 8 is larger than the world of 4 ranks"),
-    (["--tp", "3"], None, r"--tp 3 does not divide the world of 4 ranks"),
+    (["--tp", "8"], None, r"world size 4 is not divisible by --tp 8: launch a multiple of 8 ranks"),
+    (["--tp", "3"], None, r"world size 4 is not divisible by --tp 3"),
     (["--tp", "0"], None, r"--tp 0: must be >= 1"),
     (["--tp", "2"], LlamaConfig(dim=12, n_layers=1, n_heads=3, n_kv_heads=3, vocab_size=256),
      r"n_heads=3 is not divisible by the TP size 2"),

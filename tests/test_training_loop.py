@@ -335,7 +335,7 @@ CHAPTER_ARGV = {  # one demo command line per chapter's validate (05 twice: TP a
     "zero.train": ["--stage", "3", "--clip-grad", "1.0"],
     "fsdp.train": ["--sharding-strategy", "HYBRID_SHARD", "--nodes", "2", "--no-sync"],
     "tensor_parallel.train": ["--tp", "2", "--sequence-parallel"],
-    "tensor_parallel.train ep": ["--model", "tiny-moe", "--ep", "2"],
+    "tensor_parallel.train_expert": ["--model", "tiny-moe", "--ep", "2"],
     "pipeline.train": ["--schedule", "interleaved", "--microbatches", "4"],
     "parallel3d.train": ["--tp", "2", "--pp", "2", "--schedule", "interleaved"],
 }

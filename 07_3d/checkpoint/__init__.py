@@ -8,7 +8,7 @@ save.py, load.py, state.py and reshard.py):
     state.py          optimizer state sliced like its parameter, param-group state, RNG capture
     shard_layout.py   the region of each LLaMA tensor a rank of a dp × pp × tp mesh holds
     trainer.py        save/load a TrainerState (the 3D trainer's ShardMap, optimizer, scheduler,
-                      RNG); its flags are 07_3d/train.py's
+                      RNG); its flags are 07_3d/train_checkpoint_flags.py's
     export.py         `python -m parallel3d.checkpoint.export DIR --out FILE [--hf]` (common/kernel/model.py;
                       safetensors for --hf, imported where it is used)
 """

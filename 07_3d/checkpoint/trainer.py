@@ -9,10 +9,11 @@ shard, saved under each of its names.
     Checkpointing(state, plan, steps, rank, world)          the trainer's schedule of saves
 
 `state` (TrainerState) is what the files hold: the ShardMap, the optimizer, the scheduler and
-the device whose RNG is saved; `data` (DATA_KEYS: the flags the batches depend on, train.py's
-`data_identity`) and `config` (trainer_config) are what a checkpoint must match to be resumed.
-The flags (--checkpoint-dir, --save-every, --resume, --keep) and their validation into a
-CheckpointPlan are train.py's. Depends only on torch (and the ShardMap of shards.py).
+the device whose RNG is saved; `data` (DATA_KEYS: the flags the batches depend on,
+train_checkpoint_flags.py's `data_identity`) and `config` (trainer_config) are what a checkpoint
+must match to be resumed. The flags (--checkpoint-dir, --save-every, --resume, --keep) and their
+validation into a CheckpointPlan are the demo's (07_3d/train_checkpoint_flags.py). Depends only
+on torch (and the ShardMap of shards.py).
 """
 
 from __future__ import annotations

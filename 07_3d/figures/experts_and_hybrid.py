@@ -87,7 +87,7 @@ FIGURES = [
     Figure(name="expert_mesh", path="07_3d/figures/expert_mesh.svg", data=expert_mesh_data,
            draw=expert_mesh_draw, sizes={"n_experts": 8},
            sources=(Source("common.kernel.mesh:group_ranks", perturb=strided_ep),
-                    Source("common.kernel.mesh:coordinates", perturb=lambda at: at._replace(ep=0))),
+                    Source("common.kernel.mesh:coordinates", perturb=lambda at: at.replace(ep=0))),
            alt="the lines of tp, ep, FSDP's shard groups, HSDP's replicas and pp on the page's two "
                "8-rank meshes, from common.kernel.mesh.group_ranks"),
 ]

@@ -327,7 +327,7 @@ def tp_outermost(lines: dict) -> dict:
 
 
 def dp_and_tp_swapped(at):
-    return at._replace(dp=at.tp, dp_shard=at.tp, tp=at.dp)
+    return at.replace(dp=at.tp, dp_shard=at.tp, tp=at.dp)
 
 
 FIGURES = [

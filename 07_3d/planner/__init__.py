@@ -2,8 +2,11 @@
 G GPUs of M GB, what each GPU holds, what it sends, and which one to pick.
 
     hardware.py        the GPUs' peaks and links, and the achieved efficiency: the constants
-    pricing.py         candidates, their memory / traffic / step time (memory_model), the pick: pure
-    moe.py             a mixture of experts: parameters, active compute, memory over EP, all-to-alls
+    pricing.py         candidates, their memory / traffic / step time, the pick: pure
+    saved.py           what a production framework saves per block, what each recomputation reruns
+    memory.py          each GPU's states and activations on the busiest pipeline rank
+    pipeline.py        the schedules' bubbles and micro-batches in flight (1F1B, DualPipe)
+    moe.py             a mixture of experts: parameters, active compute, EP's units, all-to-alls
     report.py          the table, why the pick beats another layout, the source article's comparison
     published_runs.py  published layouts and their measured throughput, with sources
     published.py       each priced at its own layout, predicted beside published (`--published`)
@@ -12,7 +15,8 @@ G GPUs of M GB, what each GPU holds, what it sends, and which one to pick.
 
 from parallel3d.planner.cli import main, parse_args
 from parallel3d.planner.hardware import ACHIEVED_EFFICIENCY, GPUS, gpu
-from parallel3d.planner.moe import MoEShape, all_to_all_bytes, moe_memory_per_gpu, moe_parameters, moe_shape
+from parallel3d.planner.memory import memory_per_gpu
+from parallel3d.planner.moe import MoEShape, all_to_all_bytes, moe_parameters, moe_shape
 from parallel3d.planner.pricing import (
     MODELS,
     MOE_MODELS,
@@ -53,6 +57,6 @@ __all__ = ["ACHIEVED_EFFICIENCY", "ARTICLE_TABLE", "BAND", "FIGURES", "GPUS", "L
            "Comparison", "Hardware", "MoEShape", "Plan", "PublishedRun", "all_to_all_bytes",
            "article_alternative", "article_report", "article_row", "article_scenario", "candidates",
            "compare", "complexity", "cp_verdict", "fastest_with_cp", "fastest_with_mesh", "format_plans",
-           "gpu", "main", "model_flops_per_token", "model_of", "moe_memory_per_gpu", "moe_parameters",
+           "gpu", "main", "memory_per_gpu", "model_flops_per_token", "model_of", "moe_parameters",
            "moe_shape", "parse_args", "plan", "price", "price_published", "published_report",
            "recommend", "recompute_fraction", "step_terms", "why_not"]

@@ -17,7 +17,15 @@ from parallel3d.memory_model import GB, PRECISIONS, total_parameters
 from parallel3d.planner.hardware import GPUS, gpu
 from parallel3d.planner.moe import moe_parameters
 from parallel3d.planner.pricing import MODELS, MOE_MODELS, model_of, plan, recommend
-from parallel3d.planner.published import MARKER, README, published_report, published_table, write_readme
+from parallel3d.planner.published import (
+    FIT_MARKER,
+    MARKER,
+    README,
+    fit_table,
+    published_report,
+    published_table,
+    write_readme,
+)
 from parallel3d.planner.report import (
     STRATEGY_MARKER,
     article_alternative,
@@ -66,7 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.write_readme:
-        changed = write_readme({STRATEGY_MARKER: strategy_table(), MARKER: published_table()})
+        changed = write_readme({STRATEGY_MARKER: strategy_table(), MARKER: published_table(),
+                               FIT_MARKER: fit_table()})
         print(f"{README}: {'rewritten' if changed else 'up to date'}")
         return 0
     if args.article:

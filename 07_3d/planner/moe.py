@@ -12,7 +12,7 @@ router sends every token to k, and S shared experts every token passes through; 
                  work, and the step waits
     memory       a GPU holds E/ep experts of each of its MoE blocks (TP-split like a dense FFN);
                  ZeRO shards them over the dp·cp/ep ranks holding the same experts, everything
-                 else over dp·cp, as in a dense model; optimizer state likewise
+                 else over dp·cp, as in a dense model; optimizer state likewise (memory.py)
     all-to-all   per MoE block and micro-batch, dispatch and combine, forward and backward: 4
                  all-to-alls of (ep-1)/ep · T·k·h·e bytes per rank (T tokens on the rank, balanced
                  routing); under skew the busiest rank's share, × skew (skew = max/mean tokens per
@@ -26,22 +26,16 @@ experts' gradients are reduced over the dp·cp/ep ranks that hold the same exper
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import cache
 
 from common.kernel.model import LlamaConfig
 from parallel3d.memory_model import (
-    ACT_BYTES,
-    PRECISIONS,
     Layout,
     attention_flops_per_token,
-    head_activation_bytes,
-    in_flight_microbatches,
-    layer_activation_bytes,
     layer_parameters,
     local_tokens,
     stage_layers,
-    state_bytes,
 )
 
 
@@ -80,11 +74,6 @@ class ExpertFFN(LlamaConfig):
     @property
     def hidden_dim(self) -> int:
         return self.ffn
-
-
-def token_view(cfg: LlamaConfig, moe: MoEShape) -> ExpertFFN:
-    dense = {f.name: getattr(cfg, f.name) for f in fields(LlamaConfig)}
-    return ExpertFFN(**dense, ffn=(moe.top_k + moe.n_shared_experts) * moe.moe_hidden_dim)
 
 
 def moe_layers(cfg: LlamaConfig, moe: MoEShape) -> int:
@@ -139,55 +128,6 @@ def check_ep(moe: MoEShape, layout: Layout) -> None:
     if layout.shards % layout.ep or moe.n_experts % layout.ep:
         raise ValueError(f"ep={layout.ep} must divide dp·cp={layout.shards} and n_experts="
                          f"{moe.n_experts}: EP borrows its ranks from data parallelism")
-
-
-def moe_memory_per_gpu(cfg: LlamaConfig, moe: MoEShape, layout: Layout, seq_len: int,
-                       microbatches: int, precision: str = "mixed", eager_attention: bool = False
-                       ) -> dict[str, float]:
-    """{weights, grads, optimizer, activations, total} bytes on the busiest stage's GPU. A MoE
-    block saves a dense block's activations with a (k + S)·F_e-wide SwiGLU per token, plus the k
-    dispatched copies of its input (k·h·e per token)."""
-    check_ep(moe, layout)
-    elem, d = ACT_BYTES[precision], layout.shards
-    tokens = local_tokens(layout, seq_len)
-    args = (tokens, seq_len, layout.tp, layout.sequence_parallel, layout.recompute, elem,
-            eager_attention, layout.cp)
-    dense_layer = layer_activation_bytes(cfg, *args)
-    moe_layer = layer_activation_bytes(token_view(cfg, moe), *args) + (
-        0 if layout.recompute == "full" else tokens * moe.top_k * cfg.dim * elem)
-    transient = 0.0 if layout.recompute == "none" else layer_activation_bytes(
-        token_view(cfg, moe), *args[:4], "none", *args[5:]) + tokens * moe.top_k * cfg.dim * elem
-    w = PRECISIONS[precision][0]
-    best = None
-    stages = moe_stage_units(cfg, moe, layout.tp, layout.pp, layout.ep)
-    for stage, (units, experts) in enumerate(stages):
-        if (units, experts) in stages[:stage] and stage != layout.pp - 1:
-            continue  # an earlier stage holds the same, and at least as many micro-batches
-        blocks = units[:stage_layers(cfg.n_layers, layout.pp)[stage]]
-        out = state_bytes(units, d, layout.zero, precision)
-        for k, v in state_bytes(experts, d // layout.ep, layout.zero, precision).items():
-            out[k] += v
-        if layout.zero >= 3 and d > 1:  # two gathered blocks: the one computing, the prefetched
-            out["weights"] += 2 * (max(blocks, default=0) + max(experts, default=0)) * w
-        one = (len(blocks) - len(experts)) * dense_layer + len(experts) * moe_layer
-        if stage == layout.pp - 1:
-            one += head_activation_bytes(cfg, tokens, seq_len, layout.tp, layout.sequence_parallel,
-                                         elem, layout.cp)
-        out["activations"] = one * in_flight_microbatches(
-            layout.pp, microbatches, layout.virtual_stages, stage=stage) + transient
-        out["total"] = sum(out.values())
-        best = out if best is None or out["total"] > best["total"] else best
-    return best
-
-
-def dp_groups(cfg: LlamaConfig, moe: MoEShape, layout: Layout) -> list[tuple[int, int, int]]:
-    """(parameters per GPU, ranks they are sharded and reduced over, the GPUs between two of
-    those ranks) of the heaviest stage: the dense part over dp·cp (stride t), the experts over
-    the dp·cp/ep ranks holding the same experts (stride t·ep)."""
-    stages = moe_stage_units(cfg, moe, layout.tp, layout.pp, layout.ep)
-    units, experts = max(stages, key=lambda s: sum(s[0]) + sum(s[1]))
-    return [(sum(units), layout.shards, layout.tp),
-            (sum(experts), layout.shards // layout.ep, layout.tp * layout.ep)]
 
 
 def all_to_all_bytes(cfg: LlamaConfig, moe: MoEShape, layout: Layout, seq_len: int,

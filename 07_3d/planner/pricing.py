@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from common.kernel.model import CONFIGS, LlamaConfig
 from parallel3d.memory_model import (
@@ -40,22 +40,20 @@ from parallel3d.memory_model import (
     attention_parameters,
     comm_bytes_per_gpu,
     local_tokens,
-    memory_per_gpu,
-    parameters_per_gpu,
     ring_bytes,
     total_parameters,
 )
+from parallel3d.planner import pipeline
 from parallel3d.planner.hardware import Hardware
+from parallel3d.planner.memory import dp_groups, memory_per_gpu
 from parallel3d.planner.moe import (
     MoEShape,
     all_to_all_bytes,
     all_to_alls_per_step,
-    check_ep,
-    dp_groups,
     moe_flops_per_token,
-    moe_memory_per_gpu,
     moe_shape,
 )
+from parallel3d.planner.saved import recompute_flops_per_token
 
 # A LLaMA-shaped model for the article's 70B-200B row (GPT-3's width and depth, LLaMA's blocks).
 PLANNING_SHAPES: dict[str, LlamaConfig] = {
@@ -93,15 +91,14 @@ def model_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
 
 def recompute_fraction(cfg: LlamaConfig, recompute: str, seq_len: int,
                        flops_per_token: float | None = None) -> float:
-    """Extra compute over forward+backward (= 3 forwards): a whole forward (1/3) for full
-    recompute; for selective the core attention's forward, QKᵀ and ·V: a third of
-    `attention_flops_per_token` (4·L·h·s for MHA)."""
-    if recompute == "full":
-        return 1 / 3
-    if recompute == "selective":
-        return attention_flops_per_token(cfg, seq_len) / 3 / (
-            flops_per_token or model_flops_per_token(cfg, seq_len))
-    return 0.0
+    """Extra compute over forward+backward (= 3 forwards), `saved.recompute_flops_per_token` over
+    the model FLOPs: a whole forward (1/3) for full; for selective the core attention's forward,
+    QKᵀ and ·V: a third of `attention_flops_per_token` (4·L·h·s for MHA); torchtitan's op policy
+    its even matmuls; DeepSeek-V3's the MLA up-projections."""
+    work = flops_per_token or model_flops_per_token(cfg, seq_len)
+    extra = recompute_flops_per_token(cfg, recompute, seq_len, attention_flops_per_token(cfg, seq_len),
+                                      work)
+    return extra / work
 
 
 def model_of(name: str) -> tuple[LlamaConfig, MoEShape | None]:
@@ -115,33 +112,36 @@ def model_of(name: str) -> tuple[LlamaConfig, MoEShape | None]:
 
 def price(cfg: LlamaConfig, layout: Layout, seq_len: int, global_batch: int, gpu_mem_gb: float,
           hw: Hardware, precision: str = "mixed", headroom: float = 0.9,
-          eager_attention: bool = False, moe: MoEShape | None = None, skew: float = 1.0) -> Plan:
+          eager_attention: bool = False, moe: MoEShape | None = None, skew: float = 1.0,
+          act_bytes: float | None = None) -> Plan:
     """Memory, communication and estimated step time of one candidate; for a mixture of experts
-    (`moe`), with skew = max/mean tokens per expert rank (moe.py)."""
+    (`moe`), with skew = max/mean tokens per expert rank (moe.py); `act_bytes`: the bytes per
+    element the linear layers cache their inputs in (None: the compute dtype's; 1: FP8)."""
     m = global_batch // (layout.dp * layout.micro_batch)
     d, t, c, p_ = layout.shards, layout.tp, layout.cp, layout.pp
-    comm = comm_bytes_per_gpu(cfg, layout, seq_len, m, precision)
+    # torchtitan's op policy and DeepSeek-V3's rerun neither a collective nor the attention
+    rerun = layout if layout.recompute in ("none", "selective", "full") else replace(layout, recompute="none")
+    comm = comm_bytes_per_gpu(cfg, rerun, seq_len, m, precision)
     w, g, _ = PRECISIONS[precision]
+    memory = memory_per_gpu(cfg, layout, seq_len, m, precision, eager_attention, moe, act_bytes)
+    groups = dp_groups(cfg, moe, layout)
+    per_element = {0: 2 * g, 1: g + w, 2: m * g + w, 3: m * (2 * w + g)}[layout.zero]
+    comm["dp"] = sum(per_element * (n - 1) / n * psi for psi, n, _ in groups if n > 1)
     if moe is None:
-        memory = memory_per_gpu(cfg, layout, seq_len, m, precision, eager_attention)
         flops_token = model_flops = model_flops_per_token(cfg, seq_len)
-        groups = [(parameters_per_gpu(cfg, t, p_), d, t)]
-        comm["ep"], a2a_count = 0.0, 0
+        comm["ep"], a2a_count, passes = 0.0, 0, 4
     else:
-        check_ep(moe, layout)
         skew = skew if layout.ep > 1 else 1.0  # without EP every GPU runs every expert on its tokens
-        memory = moe_memory_per_gpu(cfg, moe, layout, seq_len, m, precision, eager_attention)
         flops_token = moe_flops_per_token(cfg, moe, seq_len, skew)  # the busiest expert rank's
         model_flops = moe_flops_per_token(cfg, moe, seq_len)  # on the active parameters
-        groups = dp_groups(cfg, moe, layout)
-        per_element = {0: 2 * g, 1: g + w, 2: m * g + w, 3: m * (2 * w + g)}[layout.zero]
-        comm["dp"] = sum(per_element * (n - 1) / n * psi for psi, n, _ in groups if n > 1)
         comm["ep"] = all_to_all_bytes(cfg, moe, layout, seq_len, m, ACT_BYTES[precision], skew)
         a2a_count = all_to_alls_per_step(cfg, moe, layout, m)
+        passes = 6 if layout.recompute == "full" else 4
     tokens = global_batch * seq_len
-    compute = flops_token * tokens * (1 + recompute_fraction(cfg, layout.recompute, seq_len, flops_token)) / (
-        layout.gpus * hw.peak_tflops * 1e12 * hw.efficiency)
-    bubble = (layout.pp - 1) / (layout.virtual_stages * m)
+    flop_s = layout.gpus * hw.peak_tflops * 1e12 * hw.efficiency
+    attention_share = attention_flops_per_token(cfg, seq_len) / flops_token
+    work = flops_token * tokens / flop_s  # forward + backward, no recomputation
+    compute = work * (1 + recompute_fraction(cfg, layout.recompute, seq_len, flops_token))
     # DP (over dp·cp) strides t, CP and EP stride t, PP strides t·cp·dp; DP's rings use the NICs
     # of their members in a node (hw.ring_bandwidth), the others one NIC per GPU
     cp_bw, pp_bw = hw.bandwidth(t * c), hw.bandwidth(layout.gpus)
@@ -184,17 +184,34 @@ def price(cfg: LlamaConfig, layout: Layout, seq_len: int, global_batch: int, gpu
         hw.peak_tflops * 1e12 * hw.efficiency)
     nvlink = hw.nvlink_gbps * GB
     tp_s = (comm["tp"] - comm["tp_regather"]) / nvlink + max(0.0, comm["tp_regather"] / nvlink - dx_gemm)
-    # EP: the all-to-alls sit between the router and the experts, on the critical path (no
-    # overlap priced); an EP group spans t·ep GPUs, each all-to-all pays one latency across nodes.
+    # EP: an EP group spans t·ep GPUs; each all-to-all pays one latency across nodes. Per
+    # micro-batch on a stage: F = matmul/3 + attention/3, W = matmul/3, B = the rest (the
+    # weight gradients W, the input gradients, the attention's backward, any recomputation),
+    # a_F and a_B the forward's and the backward's all-to-alls. 1F1B runs them in turn, the
+    # all-to-alls on the critical path; DualPipe pairs a forward with another micro-batch's
+    # backward: F&B = max(F + B, a_F + a_B), each one's all-to-alls under the other's compute.
     a2a_hop = 0.0 if t * layout.ep <= hw.gpus_per_node else hw.latency_us * 1e-6
+    ep_s = comm["ep"] / hw.bandwidth(t * layout.ep) + a2a_count * a2a_hop
+    F = work / m * (1 - attention_share) / 3 + work / m * attention_share / 3
+    W = work / m * (1 - attention_share) / 3
+    B = per_mb - F
+    a_F, a_B = ep_s / m * 2 / passes, ep_s / m * (passes - 2) / passes
+    if layout.schedule == "dualpipe":
+        FB = pipeline.pair_s(F + B, a_F + a_B)
+        bubble = pipeline.bubble_s("dualpipe", p_, 1, F, B + a_B, W, FB)
+        ep_exposed = m * FB - compute
+    else:
+        bubble = pipeline.bubble_s("1f1b", p_, layout.virtual_stages, F, B, W, F + B)
+        ep_exposed = ep_s
     times = {
-        "compute": compute * (1 + bubble),
-        "bubble": compute * bubble,
+        "compute": compute + bubble,
+        "bubble": bubble,
         "tp": tp_s,
         "cp_exposed": cp_exposed,
         "pp": comm["pp"] / pp_bw,
         "dp_exposed": exposed,
-        "ep": comm["ep"] / hw.bandwidth(t * layout.ep) + a2a_count * a2a_hop,
+        "ep": ep_exposed,
+        "ep_hidden": ep_s - ep_exposed,
     }
     step = (times["compute"] + times["tp"] + times["cp_exposed"] + times["pp"] + exposed
             + times["ep"])
@@ -213,7 +230,7 @@ def candidates(cfg: LlamaConfig, gpus: int, global_batch: int, hw: Hardware, seq
                context_parallel=(1, 2, 4, 8, 16, 32), experts: int = 0,
                sequence_parallel: bool = True) -> list[Layout]:
     """Every layout the model and the cluster admit: TP inside a node dividing the heads, KV heads
-    and vocabulary; PP at most one block per stage (uneven stages allowed, as Llama 3's 126
+    and vocabulary; PP at least one block per stage (uneven stages allowed, as Llama 3's 126
     layers on 16 stages) and at least p micro-batches to fill them (fewer leave a bubble
     (p-1)/m ≥ 1); CP whose 2·cp zig-zag chunks divide the sequence; the global batch divisible
     by dp·micro-batch; interleaving needs the micro-batch count divisible by p; with `experts`

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import re
 import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from common.kernel.model import LlamaConfig
-from parallel3d.memory_model import Layout, total_parameters
+from parallel3d.memory_model import GB, Layout, total_parameters
 from parallel3d.planner.hardware import gpu
 from parallel3d.planner.moe import MoEShape
 from parallel3d.planner.pricing import Plan, model_of, price
@@ -79,11 +79,12 @@ def price_published(run: PublishedRun, efficiency: float | None = None) -> Compa
     hw = gpu(run.gpu) if efficiency is None else gpu(run.gpu, efficiency=efficiency)
     layout = Layout(tp=run.tp, pp=run.pp, dp=run.dp, zero=run.zero, micro_batch=run.micro_batch,
                     virtual_stages=run.virtual_stages, recompute=run.recompute,
-                    sequence_parallel=run.sequence_parallel and run.tp > 1, cp=run.cp, ep=run.ep)
+                    sequence_parallel=run.sequence_parallel and run.tp > 1, cp=run.cp, ep=run.ep,
+                    schedule=run.schedule)
     if layout.gpus != run.gpus:
         raise ValueError(f"{run.name}: tp·cp·pp·dp = {layout.gpus}, not its {run.gpus} GPUs")
-    plan = price(cfg, layout, run.seq_len, run.global_batch, run.gpu_mem_gb, hw,
-                 eager_attention=not run.flash_attention, moe=moe)
+    plan = price(cfg, layout, run.seq_len, run.global_batch, run.gpu_mem_gb, hw, run.precision,
+                 eager_attention=not run.flash_attention, moe=moe, act_bytes=run.act_bytes)
     tokens_per_gpu = run.global_batch * run.seq_len / (plan.step_s * run.gpus)
     flops = FIGURES[run.figure][1]
     return Comparison(run, plan, tokens_per_gpu * (flops(cfg, run.seq_len) / 1e12 if flops else 1))
@@ -93,27 +94,71 @@ def compare(efficiency: float | None = None) -> list[Comparison]:
     return [price_published(run, efficiency) for run in RUNS]
 
 
+def memory_gb(c: Comparison) -> float:
+    """The planner's memory per GPU of the busiest rank at the run's layout, in GB."""
+    return c.plan.memory["total"] / GB
+
+
+def fits(c: Comparison) -> bool:
+    """A run that trained held its GPU: the priced memory within the GPU's (the picks keep 10%
+    headroom on top; a published run shows what ran, not a margin)."""
+    return c.plan.memory["total"] <= c.run.gpu_mem_gb * GB
+
+
+def layout_name(c: Comparison) -> str:
+    lo = c.plan.layout
+    return (f"TP{lo.tp} PP{lo.pp}" + (f" v{lo.virtual_stages}" if lo.virtual_stages > 1 else "")
+            + (" DualPipe" if lo.schedule == "dualpipe" else "") + (f" CP{lo.cp}" if lo.cp > 1 else "")
+            + f" DP{lo.dp}" + (f" EP{lo.ep}" if lo.ep > 1 else "") + f" mb{lo.micro_batch} Z{lo.zero}"
+            + f" {lo.recompute}")
+
+
 def published_table() -> str:
-    """Each run's layout, published and predicted figure, their ratio, the step's largest
-    overheads: the block the planner's page shows (`write_readme` puts it there; a test compares)."""
-    head = (f"{'run':<34}{'GPUs':>6} {'layout':<34}{'figure':<22}{'published':>10}{'predicted':>10}"
-            f"{'ratio':>7}  priced overheads")
+    """Each run's layout, published and predicted figure, their ratio, the memory per GPU
+    priced over the GPU's, the step's largest overheads: the block the planner's page shows
+    (`write_readme` puts it there; a test compares)."""
+    head = (f"{'run':<34}{'GPUs':>6} {'layout':<46}{'figure':<13}{'published':>10}{'predicted':>10}"
+            f"{'ratio':>7}{'GB/GPU':>9}  priced overheads")
     lines = [head, "-" * len(head)]
     for c in compare():
         r, p = c.run, c.plan
-        lo = p.layout
-        layout = (f"TP{lo.tp} PP{lo.pp}" + (f" v{lo.virtual_stages}" if lo.virtual_stages > 1 else "")
-                  + (f" CP{lo.cp}" if lo.cp > 1 else "") + f" DP{lo.dp}"
-                  + (f" EP{lo.ep}" if lo.ep > 1 else "") + f" mb{lo.micro_batch} Z{lo.zero} {lo.recompute}")
         work = p.times["compute"] - p.times["bubble"]
         extra = {"bubble": p.times["bubble"], "TP": p.times["tp"], "PP": p.times["pp"],
                  "DP": p.times["dp_exposed"], "CP": p.times["cp_exposed"], "EP": p.times["ep"]}
         top = ", ".join(f"{k} {v / work:.0%}" for k, v in sorted(extra.items(), key=lambda kv: -kv[1])
                         if v / work >= 0.02) or "none"
-        unit = r.figure.split()[-1]
-        mark = " FP8" if r.fp8 else ""
-        lines.append(f"{r.name:<34}{r.gpus:>6} {layout:<34}{unit + mark:<22}{r.value:>10.0f}"
-                     f"{c.predicted:>10.0f}{c.ratio:>7.2f}  {top}")
+        if p.times["ep_hidden"] / work >= 0.02:
+            top += f" (EP {p.times['ep_hidden'] / work:.0%} hidden)"
+        unit = r.figure.split()[-1] + (" FP8" if r.fp8 else "")
+        gb = f"{memory_gb(c):.0f}/{r.gpu_mem_gb:.0f}"
+        lines.append(f"{r.name:<34}{r.gpus:>6} {layout_name(c):<46}{unit:<13}{r.value:>10.0f}"
+                     f"{c.predicted:>10.0f}{c.ratio:>7.2f}{gb:>9}  {top}")
+    return "\n".join(lines)
+
+
+def fit_steps(name: str = "DeepSeek-V3 pre-training") -> list[tuple[str, Comparison]]:
+    """The run priced without what made it fit, then with each thing added in turn: the
+    pipeline schedule, the precision, the recomputation, FP8 activation caching."""
+    run = next(r for r in RUNS if r.name == name)
+    base = replace(run, schedule="1f1b", precision="mixed", recompute="none", act_bytes=None)
+    steps = [("1F1B, no recomputation, bf16 activations", base),
+             ("+ DualPipe (two stages a rank, p+1 in flight; all-to-alls under the paired compute)",
+              replace(base, schedule=run.schedule)),
+             ("+ fp32 gradients and master, Adam's moments in bf16",
+              replace(base, schedule=run.schedule, precision=run.precision)),
+             ("+ norms, MLA up-projections and SwiGLU outputs recomputed",
+              replace(run, act_bytes=None)),
+             ("+ the linear layers' inputs cached in FP8 (the published run)", run)]
+    return [(label, price_published(r)) for label, r in steps]
+
+
+def fit_table(name: str = "DeepSeek-V3 pre-training") -> str:
+    """`fit_steps` as the planner's page shows it: memory per GPU, step, predicted/published."""
+    rows = fit_steps(name)
+    run = rows[-1][1].run
+    lines = [f"{name}, {layout_name(rows[-1][1])}, {run.gpus} × {run.gpu_mem_gb:.0f} GB {run.gpu}:"]
+    for label, c in rows:
+        lines.append(f"  {label:<86}{memory_gb(c):>6.1f} GB{c.plan.step_s:>7.2f} s{c.ratio:>6.2f}")
     return "\n".join(lines)
 
 
@@ -122,9 +167,13 @@ def published_report() -> str:
     left out."""
     lines = [published_table()]
     notes = [*(f"{k}: {v[0]}" for k, v in FIGURES.items()),
-             f"ratio = predicted / published; the test holds the bf16 runs within ±{BAND:.0%}; FP8 runs "
-             "are priced at the bf16 peak. Layout: Z the ZeRO level (0 DDP, 3 FSDP), then the "
-             "recomputation. Overheads: what the step spends beyond the work, as a fraction of it.",
+             f"ratio = predicted / published; the test holds the bf16 runs and DeepSeek-V3 within "
+             f"±{BAND:.0%}; FP8 runs are priced at the bf16 peak. Layout: Z the ZeRO level (0 DDP, 3 "
+             "FSDP), then the recomputation (saved.py). GB/GPU: the busiest rank's memory priced, "
+             "over the GPU's. Overheads: what the step spends beyond the work, as a fraction of it.",
+             "measured memory (torchtitan's Memory(GiB), the allocator's peak) beside the priced: "
+             + "; ".join(f"{c.run.name} {c.run.memory_gib * 2**30 / GB:.1f} GB measured, "
+                         f"{memory_gb(c):.1f} priced" for c in compare() if c.run.memory_gib),
              "assumed (not stated by the source): "
              + "; ".join(sorted({f"{r.source.title.split(',')[0]}: {', '.join(r.assumed)}"
                                  for r in RUNS if r.assumed}))]
@@ -145,6 +194,8 @@ def published_report() -> str:
 
 README = Path(__file__).resolve().parent / "README.md"  # the planner's page
 MARKER = "<!-- generated: python -m parallel3d.planner --write-readme (published runs); checked by tests -->"
+FIT_MARKER = ("<!-- generated: python -m parallel3d.planner --write-readme (DeepSeek-V3's fit); "
+              "checked by tests -->")
 
 
 def _block(marker: str) -> re.Pattern:

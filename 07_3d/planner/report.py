@@ -20,10 +20,11 @@ from parallel3d.planner.pricing import (
     fastest_with_mesh,
     model_of,
     plan,
-    price,
     recommend,
     step_terms,
 )
+from parallel3d.planner.published import fit_table, price_published
+from parallel3d.planner.published_runs import RUNS
 
 # The source article's strategy-by-size table: (max params in B, GPUs, its advice, the pipeline
 # depths it names).
@@ -52,14 +53,22 @@ def article_alternative(plans: list[Plan], pp_range: tuple[int, int]) -> Plan | 
                key=lambda p: p.step_s, default=None)
 
 
+def bubble_text(p: Plan) -> str:
+    """A plan's bubble over its work, with the schedule's formula: (p-1)/(v·m) for 1F1B,
+    (p/2-1)(F&B+B-3W) per rank for DualPipe."""
+    lo, work = p.layout, p.times["compute"] - p.times["bubble"]
+    if lo.schedule == "dualpipe":
+        return f"({lo.pp}/2-1)(F&B+B-3W) = {p.times['bubble'] / work:.1%}"
+    fraction = (lo.pp - 1) / (lo.virtual_stages * p.microbatches)
+    return f"{lo.pp - 1}/({lo.virtual_stages}·{p.microbatches}) = {fraction:.1%}"
+
+
 def why_not(pick: Plan, other: Plan) -> str:
     """Why the planner prefers `pick` to `other`: their step times term by term (what differs by
     more than 0.05 s), the bubbles (p-1)/(v·m), the memory per GPU."""
     a, b = step_terms(pick), step_terms(other)
     diff = ", ".join(f"{k} {b[k] - a[k]:+.2f} s" for k in a if abs(b[k] - a[k]) > 0.05)
-    bubble = ", ".join(f"{(p.layout.pp - 1)}/({p.layout.virtual_stages}·{p.microbatches}) = "
-                       f"{(p.layout.pp - 1) / (p.layout.virtual_stages * p.microbatches):.1%}"
-                       for p in (other, pick))
+    bubble = ", ".join(bubble_text(p) for p in (other, pick))
     return (f"{other.layout.describe()}: {other.step_s:.2f} s, "
             f"{other.step_s / pick.step_s - 1:+.0%} against the pick ({diff or 'no term differs'}); "
             f"bubble {bubble}; {other.memory['total'] / GB:.1f} GB vs "
@@ -207,8 +216,11 @@ def moe_report() -> list[str]:
         pick = best.layout.describe() if best else "nothing fits"
         lines.append(f"  {name:<13} {gpus:>5} {hw_name}: {pick:<49} | {size}; {label}")
         if best and published:
-            theirs = price(cfg, published, seq, batch, 80, hw, moe=moe)
-            lines.append(f"    {label.split(':')[0]}'s layout, priced: {why_not(best, theirs)}")
+            theirs = price_published(next(r for r in RUNS if r.name == published)).plan
+            lines.append(f"    {label.split(':')[0]}'s layout, priced with its schedule, recomputation and "
+                         f"FP8 activations, none of which the search tries: {why_not(best, theirs)}")
+            lines += ["    what made it fit, each priced in turn (GB per GPU, step, predicted/published):",
+                      *("    " + line for line in fit_table(published).splitlines()[1:])]
         ep = min((p for p in plans if p.fits and p.layout.ep > 1), key=lambda p: p.step_s, default=None)
         if best and ep and best.layout.ep == 1:
             lines.append(f"    the fastest with EP: {why_not(best, ep)}")
@@ -223,14 +235,12 @@ TABLE_SCENARIOS = [
     ("llama-175b-shape", 256, 4096, 1024),
     ("llama3.1-405b", 16384, 8192, 2048),
 ]
-# (model, GPUs, GPU, seq_len, global batch, the published layout or None, what is known of it)
+# (model, GPUs, GPU, seq_len, global batch, its published run's name or None, what is known of it)
 MOE_SCENARIOS = [
     ("mixtral-8x7b", 64, "H100", 4096, 1024, None, "not in the article; no training layout published"),
-    ("deepseek-v3", 2048, "H800", 4096, 15360,
-     Layout(tp=1, pp=16, dp=128, ep=64, zero=1, micro_batch=1, recompute="none",
-            sequence_parallel=False),
-     "DeepSeek-V3: the article's 671B MoE on 2,048 H800s, run as PP 16 × EP 64 × ZeRO-1, no TP "
-     "(its report)"),
+    ("deepseek-v3", 2048, "H800", 4096, 15360, "DeepSeek-V3 pre-training",
+     "DeepSeek-V3: the article's 671B MoE on 2,048 H800s, run as PP 16 (DualPipe) × EP 64 × ZeRO-1, "
+     "no TP (its report)"),
 ]
 # Llama 3 405B's long-context stage (Llama 3 paper, Table 4): 16,384 GPUs, 16M tokens per step
 # of 128K-token sequences, on a TP 8 × CP 16 × PP 16 mesh.

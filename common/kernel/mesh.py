@@ -19,11 +19,23 @@ shards over `dp_shard_cp` and gradients are averaged over `dp_cp`.
 
 Expert parallelism borrows its ranks from dp_shard × cp (as torchtitan and Megatron do): a rank's
 index j = s·C + c is cut into consecutive blocks of ep, e = j mod ep its expert slice, k = j div ep
-its block. An EP group is ep neighbours at stride T (one node whenever ep·T divides it), so the
-all-to-alls of every MoE layer stay inside a node; never ranks strided across the replica, where
-the numbers are the same and every all-to-all crosses the network.
+its block (`dp_shard_mod_ep`). An EP group is ep neighbours at stride T (one node whenever ep·T
+divides it), so the all-to-alls of every MoE layer stay inside a node; never ranks strided across
+the replica, where the numbers are the same and every all-to-all crosses the network.
 
     world 8 = dp_shard 4 × tp 2, ep 2:   ep {0,2} {1,3} {4,6} {5,7}   expert_dp {0,4} {1,5} {2,6} {3,7}
+
+The registry. MeshShape's fields are the dimensions, in the rank formula's order: a plain field
+is a factor of the world, a `borrowed` one cuts consecutive factors (ep: dp_shard × cp into
+dp_shard_mod_ep × ep). LINES names each group by the coordinates that vary along it; its members
+share every other coordinate of the same factorization. Everything else (coordinates, the lines'
+rank lists, the refusals, the report's sizes, build_mesh) is derived from those two, so a new
+dimension is two edits here. Ulysses inside the ring (cp = r × u, u consecutive CP ranks):
+
+    cp_ulysses: int = borrowed("cp", rest="cp_ring")          in MeshShape
+    "cp_ulysses": ("cp_ulysses",), "cp_ring": ("cp_ring",)    in LINES (the all-to-all's, the ring's)
+
+(tests/test_mesh.py makes exactly these two edits and checks the lines they give.)
 
 `torch.distributed.new_group` is collective over the world and must be called in the same order
 on every rank: `build_mesh` creates every line of every dimension asked for, in LINES' order, on
@@ -34,9 +46,11 @@ torch's DeviceMesh (`init_device_mesh`): our own names, for our own layout. Depe
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
-from typing import NamedTuple
+from functools import cache
+from typing import Any
 
 import torch.distributed as dist
 
@@ -45,8 +59,10 @@ class MeshError(ValueError):
     """A layout that does not fit: the message names the values and the fix."""
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def borrowed(*span: str, rest: str) -> Any:
+    """A MeshShape field that is not a factor of the world: it cuts the consecutive factors
+    `span`, flattened to j, into its own coordinate j mod size and `rest` = j div size."""
+    return field(default=1, metadata={"span": span, "rest": rest})
 
 
 @dataclass(frozen=True)
@@ -58,16 +74,36 @@ class MeshShape:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
-    ep: int = 1  # borrowed from dp_shard × cp: not a factor of the world
+    ep: int = borrowed("dp_shard", "cp", rest="dp_shard_mod_ep")
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            if getattr(self, f.name) < 1:
-                raise MeshError(f"{f.name} {getattr(self, f.name)}: every mesh size must be >= 1")
-        if (self.dp_shard * self.cp) % self.ep:
-            raise MeshError(f"ep {self.ep} does not divide dp_shard × cp = {self.dp_shard * self.cp} (expert "
-                            f"parallelism borrows those ranks): use one of ep "
-                            f"{', '.join(map(str, _divisors(self.dp_shard * self.cp)))}")
+        for name, size in self.sizes().items():
+            if size < 1:
+                raise MeshError(f"{name} {size}: every mesh size must be >= 1")
+        for name, (span, _) in _registry(type(self)).borrowed.items():
+            if self.size(*span) % getattr(self, name):
+                raise MeshError(f"{name} {getattr(self, name)} does not divide {' × '.join(span)} = "
+                                f"{self.size(*span)} (it borrows those ranks): use one of {name} "
+                                f"{', '.join(map(str, _divisors(self.size(*span))))}")
+
+    def sizes(self) -> dict[str, int]:
+        """Every dimension's size, in field order."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def size(self, *names: str) -> int:
+        """The product of the sizes of `names`: factors, borrowed dimensions, their rests, lines."""
+        registry, out = _registry(type(self)), 1
+        for name in names:
+            if name in registry.fields:
+                out *= getattr(self, name)
+            elif name in registry.rests:
+                span, dim = registry.rests[name]
+                out *= self.size(*span) // getattr(self, dim)
+            elif name in LINES:
+                out *= self.size(*LINES[name])
+            else:
+                raise MeshError(f"unknown mesh dimension {name!r}: use one of {', '.join(registry.names)}")
+        return out
 
     @property
     def dp(self) -> int:
@@ -75,43 +111,83 @@ class MeshShape:
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp * self.cp * self.tp
+        return self.size(*_registry(type(self)).factors)
 
     def as_dict(self) -> dict[str, int]:
-        """The report's "mesh": dp (or its two halves under HSDP), pp, tp; cp and ep where > 1."""
+        """The report's "mesh": dp (its two halves under HSDP), then every other dimension of more
+        than one rank, in field order."""
         dp = ({"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard} if self.dp_replicate > 1
               else {"dp": self.dp})
-        return {**dp, "pp": self.pp, **({"cp": self.cp} if self.cp > 1 else {}), "tp": self.tp,
-                **({"ep": self.ep} if self.ep > 1 else {})}
+        return {**dp, **{n: v for n, v in self.sizes().items() if n not in _HALVES and v > 1}}
+
+
+@dataclass(frozen=True)
+class _Registry:
+    """What a shape class's fields declare: the world's factors (outermost first), each borrowed
+    dimension's span and rest, and every coordinate's name."""
+
+    fields: frozenset[str]
+    factors: tuple[str, ...]
+    borrowed: dict[str, tuple[tuple[str, ...], str]]  # dimension → (the factors it cuts, its rest)
+    rests: dict[str, tuple[tuple[str, ...], str]]  # rest → (the factors, the dimension)
+
+    @property
+    def names(self) -> list[str]:
+        return [*self.factors, *self.borrowed, *self.rests]
+
+
+@cache
+def _registry(cls: type) -> _Registry:
+    borrowed = {f.name: (f.metadata["span"], f.metadata["rest"]) for f in fields(cls) if "span" in f.metadata}
+    return _Registry(frozenset(f.name for f in fields(cls)),
+                     tuple(f.name for f in fields(cls) if "span" not in f.metadata), borrowed,
+                     {rest: (span, dim) for dim, (span, rest) in borrowed.items()})
+
+
+_HALVES = ("dp_replicate", "dp_shard")  # dp's two halves: mesh_shape infers them, the report joins them
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def mesh_shape(world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1, *,
-               dp_replicate: int | None = None, dp_shard: int | None = None, ep: int = 1,
-               n_experts: int | None = None) -> MeshShape:
+               dp_replicate: int | None = None, dp_shard: int | None = None, n_experts: int | None = None,
+               **sizes: int) -> MeshShape:
     """The shape of a world of `world_size` ranks, every bad combination refused (MeshError naming
     the flags, the values and the fix) from the sizes alone: call it on every rank before any
-    collective. dp = world / (pp·cp·tp) when omitted; dp_replicate = 1 and dp_shard = dp unless
-    given; ep must divide dp_shard·cp and, given `n_experts`, the experts."""
-    for flag, value in (("--tp", tp), ("--pp", pp), ("--cp", cp), ("--dp", dp), ("--ep", ep),
-                        ("--dp-replicate", dp_replicate), ("--dp-shard", dp_shard)):
+    collective. dp = world / (the other factors) when omitted; dp_replicate = 1 and dp_shard = dp
+    unless given; `sizes` names any other dimension (ep=N: a borrowed one must divide the ranks it
+    borrows and, given `n_experts`, ep the experts)."""
+    known = {f.name for f in fields(MeshShape)}
+    if unknown := set(sizes) - known:
+        raise MeshError(f"unknown mesh dimension(s) {sorted(unknown)}: use {', '.join(sorted(known))}")
+    given = {"tp": tp, "pp": pp, "cp": cp, **sizes}
+    for name, value in {**given, "dp": dp, "dp_replicate": dp_replicate, "dp_shard": dp_shard}.items():
         if value is not None and value < 1:
-            raise MeshError(f"{flag} {value}: must be >= 1")
-    rest = pp * cp * tp
-    named = f"--pp {pp} × --cp {cp} × --tp {tp}" if cp > 1 else f"--pp {pp} × --tp {tp}"
+            raise MeshError(f"{_flag(name)} {value}: must be >= 1")
+    others = [n for n in _registry(MeshShape).factors if n not in _HALVES]
+    rest = math.prod(given.get(n, 1) for n in others)
+    named = [f"{_flag(n)} {given.get(n, 1)}" for n in others if given.get(n, 1) > 1]
     halves = dp is None and dp_replicate is not None and dp_shard is not None
     if halves:
         dp = dp_replicate * dp_shard
     if dp is None:
         if world_size % rest:
             raise MeshError(
-                f"world size {world_size} is not divisible by {named} = {rest}: launch a multiple "
-                f"of {rest} ranks, or choose sizes whose product divides {world_size}")
+                f"world size {world_size} is not divisible by {' × '.join(named)}"
+                + (f" = {rest}" if len(named) > 1 else "") + f": launch a multiple of {rest} ranks, or "
+                f"choose sizes whose product divides {world_size}")
         dp = world_size // rest
     if dp * rest != world_size:
-        given = f"--dp-replicate {dp_replicate} × --dp-shard {dp_shard}" if halves else f"--dp {dp}"
+        dp_named = f"--dp-replicate {dp_replicate} × --dp-shard {dp_shard}" if halves else f"--dp {dp}"
         raise MeshError(
-            f"{given} × {named} = {dp * rest} != world size {world_size}: launch {dp * rest} "
-            f"ranks, or omit {'one of the two' if halves else '--dp'} to infer it"
+            f"{' × '.join([dp_named, *named])} = {dp * rest} != world size {world_size}: launch "
+            f"{dp * rest} ranks, or omit {'one of the two' if halves else '--dp'} to infer it"
             + (f" (dp would be {world_size // rest})" if world_size % rest == 0 else ""))
     replicate = dp_replicate or (dp // dp_shard if dp_shard else 1)
     shard = dp_shard or dp // replicate
@@ -119,62 +195,94 @@ def mesh_shape(world_size: int, tp: int = 1, pp: int = 1, dp: int | None = None,
         pairs = " or ".join(f"--dp-replicate {d} --dp-shard {dp // d}" for d in _divisors(dp)[:4])
         raise MeshError(f"--dp-replicate {replicate} × --dp-shard {shard} = {replicate * shard} != "
                         f"dp {dp}: the two halves of data parallelism multiply to dp; use {pairs}")
-    borrowed = shard * cp
-    fits = [d for d in _divisors(borrowed) if n_experts is None or n_experts % d == 0]
-    fix = f"use one of --ep {', '.join(map(str, fits))}"
-    if borrowed % ep:
-        raise MeshError(f"--ep {ep} does not divide the {borrowed} ranks it borrows (dp_shard {shard} × "
-                        f"cp {cp}: EP groups are consecutive ranks of one replica): {fix}")
-    if n_experts is not None and n_experts % ep:
-        raise MeshError(f"--ep {ep} does not divide the {n_experts} experts (each rank holds "
-                        f"n_experts/ep of them): {fix}")
-    return MeshShape(pp, replicate, shard, cp, tp, ep)
+    resolved = {**given, "dp_replicate": replicate, "dp_shard": shard}
+    for name, (span, _) in _registry(MeshShape).borrowed.items():
+        size, ranks = given.get(name, 1), math.prod(resolved[n] for n in span)
+        whole = n_experts if name == "ep" else None  # each rank holds n_experts/ep of the experts
+        fix = (f"use one of {_flag(name)} "
+               f"{', '.join(str(d) for d in _divisors(ranks) if whole is None or whole % d == 0)}")
+        if ranks % size:
+            raise MeshError(f"{_flag(name)} {size} does not divide the {ranks} ranks it borrows ("
+                            f"{' × '.join(f'{n} {resolved[n]}' for n in span)}: its groups are consecutive "
+                            f"ranks of one replica): {fix}")
+        if whole is not None and whole % size:
+            raise MeshError(f"{_flag(name)} {size} does not divide the {whole} experts (each rank holds "
+                            f"n_experts/{name} of them): {fix}")
+    return MeshShape(**resolved)
 
 
-class Coordinates(NamedTuple):
-    """A rank's index along every dimension; dp = r·S + s (its data shard), ep = j mod ep and
-    dp_shard_mod_ep = j div ep for j = s·C + c (its expert slice and its block of EP ranks)."""
+# every group, in creation order, named by the coordinates that vary along it (its members share
+# every other coordinate of the world's factors, or of the factorization a borrowed dimension makes)
+LINES: dict[str, tuple[str, ...]] = {
+    "tp": ("tp",),
+    "cp": ("cp",),
+    "ep": ("ep",),  # the all-to-all's ranks
+    "dp_shard": ("dp_shard",),
+    "dp_shard_cp": ("dp_shard", "cp"),  # what FSDP shards over (HSDP's shard group)
+    "dp_replicate": ("dp_replicate",),  # HSDP's replicate group
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),  # every rank holding the same parameters: the average
+    "dp_shard_mod_ep": ("dp_shard_mod_ep",),  # the same experts in one replica
+    "expert_dp": ("dp_replicate", "dp_shard_mod_ep"),  # every rank holding the same experts
+    "pp": ("pp",),
+}
 
-    pp: int
-    dp_replicate: int
-    dp_shard: int
-    cp: int
-    tp: int
-    dp: int
-    ep: int
-    dp_shard_mod_ep: int
+
+class Coordinates(dict):
+    """A rank's index along every factor, borrowed dimension and rest, and within every line
+    (at.dp = r·S + s, its data shard; at.ep = j mod ep, its expert slice), by name or attribute."""
+
+    def __getattr__(self, name: str) -> int:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def replace(self, **changes: int) -> Coordinates:
+        return Coordinates({**self, **changes})
+
+
+@cache
+def _factorization(cls: type, varying: tuple[str, ...]) -> tuple[str, ...]:
+    """The factors of the world, outermost first, that a line varying `varying` lives in: the
+    world's own, with the span of each borrowed dimension it names cut into (rest, dimension)."""
+    view = list(_registry(cls).factors)
+    for dim, (span, rest) in _registry(cls).borrowed.items():
+        if {dim, rest} & set(varying):
+            at = view.index(span[0]) if span[0] in view else None
+            if at is None or tuple(view[at:at + len(span)]) != span:
+                raise MeshError(f"a line varying {varying} cuts {span} twice")
+            view[at:at + len(span)] = [rest, dim]
+    if missing := set(varying) - set(view):
+        raise MeshError(f"a line varying {varying}: {sorted(missing)} not in one factorization {view}")
+    return tuple(view)
 
 
 def coordinates(rank: int, shape: MeshShape) -> Coordinates:
     """Where global rank `rank` sits on the mesh."""
-    t, rest = rank % shape.tp, rank // shape.tp
-    c, rest = rest % shape.cp, rest // shape.cp
-    s, rest = rest % shape.dp_shard, rest // shape.dp_shard
-    r, p = rest % shape.dp_replicate, rest // shape.dp_replicate
-    j = s * shape.cp + c
-    return Coordinates(p, r, s, c, t, r * shape.dp_shard + s, j % shape.ep, j // shape.ep)
+    cls, digits = type(shape), {}
+    for name in reversed(_registry(cls).factors):  # the rank formula, read from the inside out
+        digits[name], rank = rank % getattr(shape, name), rank // getattr(shape, name)
+    at = Coordinates({name: digits[name] for name in _registry(cls).factors})
+    for dim, (span, rest) in _registry(cls).borrowed.items():
+        j = _index(at, span, shape)
+        at[dim], at[rest] = j % getattr(shape, dim), j // getattr(shape, dim)
+    for line, varying in LINES.items():
+        at[line] = _index(at, [n for n in _factorization(cls, varying) if n in varying], shape)
+    return at
 
 
-def global_rank(at: Coordinates, shape: MeshShape) -> int:
-    """The rank at `at` (read from pp, dp_replicate, dp_shard, cp, tp)."""
-    return (((at.pp * shape.dp_replicate + at.dp_replicate) * shape.dp_shard + at.dp_shard) * shape.cp
-            + at.cp) * shape.tp + at.tp
+def _index(at: dict[str, int], names: Iterable[str], shape: MeshShape) -> int:
+    """The mixed-radix index of `at` over `names`, outermost first."""
+    j = 0
+    for name in names:
+        j = j * shape.size(name) + at[name]
+    return j
 
 
-# every dimension, in creation order: the coordinates its lines hold fixed (its members vary the rest)
-LINES: dict[str, tuple[str, ...]] = {
-    "tp": ("pp", "dp_replicate", "dp_shard", "cp"),
-    "cp": ("pp", "dp_replicate", "dp_shard", "tp"),
-    "ep": ("pp", "dp_replicate", "dp_shard_mod_ep", "tp"),  # the all-to-all's ranks
-    "dp_shard": ("pp", "dp_replicate", "cp", "tp"),
-    "dp_shard_cp": ("pp", "dp_replicate", "tp"),  # what FSDP shards over (HSDP's shard group)
-    "dp_replicate": ("pp", "dp_shard", "cp", "tp"),  # HSDP's replicate group
-    "dp": ("pp", "cp", "tp"),
-    "dp_cp": ("pp", "tp"),  # every rank holding the same parameters: the gradient average
-    "dp_shard_mod_ep": ("pp", "dp_replicate", "ep", "tp"),  # the same experts in one replica
-    "expert_dp": ("pp", "ep", "tp"),  # every rank holding the same experts
-    "pp": ("dp_replicate", "dp_shard", "cp", "tp"),
-}
+def global_rank(at: dict[str, int], shape: MeshShape) -> int:
+    """The rank at `at` (read from the world's factors)."""
+    return _index(at, _registry(type(shape)).factors, shape)
 
 
 def group_ranks(shape: MeshShape, dims: Iterable[str] | None = None) -> dict[str, list[list[int]]]:
@@ -183,9 +291,11 @@ def group_ranks(shape: MeshShape, dims: Iterable[str] | None = None) -> dict[str
     everyone = [coordinates(rank, shape) for rank in range(shape.world)]
     out = {}
     for dim in _dims(dims):
+        varying = LINES[dim]
+        fixed = [n for n in _factorization(type(shape), varying) if n not in varying]
         lines: dict[tuple[int, ...], list[int]] = {}
         for rank, at in enumerate(everyone):  # rank order: each line comes out sorted
-            lines.setdefault(tuple(getattr(at, f) for f in LINES[dim]), []).append(rank)
+            lines.setdefault(tuple(at[n] for n in fixed), []).append(rank)
         out[dim] = [lines[key] for key in sorted(lines)]
     return out
 
@@ -217,7 +327,7 @@ class ParallelMesh:
             raise MeshError(f"the mesh was built without its {dim!r} groups: pass it in build_mesh's dims")
         return self.groups[dim]
 
-    # sizes and this rank's coordinates, by name
+    # sizes and this rank's coordinates, by name (any other: shape.size(dim), coordinates[dim])
     size = property(lambda self: self.shape.world)
     dp = property(lambda self: self.shape.dp)
     pp = property(lambda self: self.shape.pp)

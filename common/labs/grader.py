@@ -70,8 +70,9 @@ class Fail:
 
 
 @dataclass
-class Run:
-    """One configuration of a property and what each rank's `run` returned, by rank."""
+class ConfigRun:
+    """One configuration of a property and what each rank's `run` returned, by rank (not
+    common.run.Run, a training run's settings)."""
 
     config: dict
     ranks: list
@@ -81,13 +82,13 @@ class Run:
         return self.config["world"]
 
 
-Check = Callable[[list[Run]], "Fail | str"]
+Check = Callable[[list[ConfigRun]], "Fail | str"]
 
 
 @dataclass(frozen=True)
 class Property:
     """`run(lab, **config)` runs on every rank of a job of `config["world"]` ranks, once per
-    config; then every check gets every Run and returns a Fail or its deciding figure (a str).
+    config; then every check gets every ConfigRun and returns a Fail or its deciding figure (a str).
     The Fail that comes first in time decides (the earliest step; at one step, the check listed
     first): a wrong update at step 1 explains wrong gradients at step 2. A check's docstring's
     first paragraph says what it grades (the lessons' lab-graded blocks are made of them:
@@ -136,7 +137,7 @@ class Verdict:
     check: str | None = None  # the check that failed
     checks: list[str] = field(default_factory=list)  # the checks that ran
     configs: list[dict] = field(default_factory=list)  # the configurations that ran
-    runs: list[Run] = field(default_factory=list, repr=False)
+    runs: list[ConfigRun] = field(default_factory=list, repr=False)
 
     @property
     def passed(self) -> bool:
@@ -231,7 +232,7 @@ def grade_property(module: str, prop: Property, path: str, pools: Pools | None =
                         label = f"world {world}" + (f" cut into groups {config['groups']}"
                                                     if config.get("groups") else "")
                         return verdict(*crash(error, trace_dir, world, label, extra_hints))
-            runs.append(Run(dict(config), results))
+            runs.append(ConfigRun(dict(config), results))
             if prop.plan and (deadlock := replay(results, world)) is not None:
                 return verdict(*deadlock, check="replay")
             if not prop.plan and config is not prop.configs[-1] and _fails(prop, runs[-1]):
@@ -269,7 +270,7 @@ def grade_property(module: str, prop: Property, path: str, pools: Pools | None =
     return verdict("pass", "; ".join(f for f in figures if f), checks=ran)
 
 
-def _fails(prop: Property, run: Run) -> bool:
+def _fails(prop: Property, run: ConfigRun) -> bool:
     """Whether some check fails on this one configuration alone (an exception counts)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
