@@ -174,8 +174,8 @@ def parallelize_attention(attention: nn.Module, group=None) -> nn.Module:
 
 
 # --- 4 · optional: sequence parallelism's pair ----------------------------------------------------
-# Between the TP regions each rank holds s/t tokens (dim 1 of [B, T, H]). README "Sequence
-# parallelism": g's all-reduce splits into its two halves. Each one's backward is the other.
+# Between the TP regions each rank holds s/t tokens (dim 1 of [B, T, H]). sequence_parallel.md
+# (05.2): g's all-reduce splits into its two halves. Each one's backward is the other.
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group=None, dim: int = 1) -> torch.Tensor:
     """Forward: every rank's s/t tokens → all s tokens (all-gather along `dim`). Backward: every
@@ -196,5 +196,5 @@ def merge_attention(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor,
     """The same queries attended to two disjoint sets of keys: out_i [..., T, d] = softmax over
     set i's keys of the scores, times its values; lse_i [..., T] = log Σ_{k in set i} exp(score)
     (−inf where a query saw no key of set i, its out_i row then 0). Return (out, lse) over both
-    sets together, exactly (README "Context parallelism"). Scores may be in the thousands."""
+    sets together, exactly (context_parallel.md, 05.3). Scores may be in the thousands."""
     raise NotImplementedError("merge_attention: the log-sum-exp rule")
