@@ -55,7 +55,7 @@ BUDGET_S: dict[str, tuple[tuple[str, ...], float]] = {
     "07 3D": (("test_3d*.py", "test_parallel3d*.py"), 115),
     "checkpoints": (("test_checkpoint*.py",), 55),
     "notebooks (lessons, exercises)": (("test_notebooks.py", "test_exercises.py", "test_lessons.py",
-                                        "test_lesson_numbers.py"), 230),
+                                        "test_lesson_numbers.py", "test_sittings.py"), 230),
     "labs (the grader on each lab)": (("test_lab_*.py",), 105),
     "benches (each exits)": (("test_benches.py",), 20),
     "moe (the layer, its training, expert parallelism)": (("test_moe*.py", "test_expert_parallel.py"), 18),
