@@ -78,9 +78,10 @@ def test_the_front_page_path_is_one_sitting_a_row_in_reading_order() -> None:
         mine = of(chapter)
         assert mine, f"the front page's path has no sitting of {chapter.name}"
         numbers = [s.number for s in mine]
-        want = [chapter.name[:2]] if len(mine) == 1 else [f"{chapter.name[:2]}.{k}" for k in range(1, len(mine) + 1)]
+        two = chapter.name[:2]
+        want = [two] if len(mine) == 1 else [f"{two}.{k}" for k in range(1, len(mine) + 1)]
         assert numbers == want, f"{chapter.name}'s sittings are numbered {numbers}, not {want}"
-        assert mine[0].pages[0] == chapter / "README.md", f"{chapter.name}'s first sitting opens on its README"
+        assert mine[0].pages[0] == chapter / "README.md", f"{chapter.name}'s first sitting opens on README.md"
         read = [p for s in mine for p in s.pages]
         missing = sorted(p.relative_to(ROOT).as_posix() for p in set(lesson_pages(chapter)) - set(read))
         twice = sorted({p.relative_to(ROOT).as_posix() for p in read if read.count(p) > 1})
@@ -128,7 +129,7 @@ def test_every_lab_is_named_by_the_sitting_that_grades_it(chapter: Path) -> None
     for sitting in of(chapter):
         for n, lab, only in sitting.labs:
             assert n == int(chapter.name[:2]), f"sitting {sitting.label} names chapter {n}'s lab"
-            assert lab in labs, f"sitting {sitting.label}: `LAB={lab}` is not a lab of {chapter.name} ({labs})"
+            assert lab in labs, f"sitting {sitting.label}: `LAB={lab}` is no lab of {chapter.name} ({labs})"
             homes, properties = graded(chapter, lab)
             if only:
                 hits = [p for p in properties if only in p]
