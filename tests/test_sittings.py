@@ -2,7 +2,8 @@
 sitting, a lesson page and the pages read with it, closed by its Remember box and, where it has
 one, its lab. A chapter too long for one sitting (05, 07) declares its sittings in its README
 (`**05.2 Sequence parallel**`), each later sitting's page names itself in its opening lines, and
-the front page names them in the same order. Every link and image of the lessons resolves.
+the front page names them in the same order. Every link and image of the lessons (their
+notebooks' text cells too) resolves.
 
 The bound on a sitting, SITTING_LINES, is measured, not chosen: the chapters read in one sitting
 held, on 2026-12-07, 01 561 lines (lesson 188 + four pages), 02 424, 03 410, 04 394, 06 396; 05
@@ -13,6 +14,7 @@ in as a single sitting.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,13 +166,24 @@ def anchors(path: Path) -> set[str]:
     return out
 
 
-DOCS = sorted([p for c in CHAPTERS for p in c.rglob("*.md")] + [FRONT, ROOT / "CONTRIBUTING.md"])
+def linking_text(page: Path) -> str:
+    """Where a page's links are: a page's prose, a notebook's markdown cells; code marks dropped."""
+    if page.suffix == ".ipynb":
+        cells = json.loads(page.read_text(encoding="utf-8"))["cells"]
+        text = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    else:
+        text = unfenced(page)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+DOCS = sorted([p for c in CHAPTERS for p in [*c.rglob("*.md"), c / "lesson.ipynb"]]
+              + [FRONT, ROOT / "CONTRIBUTING.md"])
 
 
 @pytest.mark.parametrize("page", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_link_and_image_of_the_lessons_resolves(page: Path) -> None:
     broken = []
-    for target in re.findall(r"\]\(([^)\s]+)\)", re.sub(r"`[^`\n]*`", "", unfenced(page))):
+    for target in re.findall(r"\]\(([^)\s]+)\)", linking_text(page)):
         if re.match(r"[a-z]+:", target):
             continue  # http(s), mailto
         path, _, anchor = target.partition("#")
