@@ -69,8 +69,8 @@ SITTINGS = sittings(FRONT.read_text(encoding="utf-8"))
 CHAPTERS = sorted(p for p in ROOT.glob("0[1-7]_*") if p.is_dir())
 
 
-def of(chapter: Path, among: list[Sitting] = SITTINGS) -> list[Sitting]:
-    return [s for s in among if s.chapter == chapter]
+def of(chapter: Path) -> list[Sitting]:
+    return [s for s in SITTINGS if s.chapter == chapter]
 
 
 def test_the_front_page_path_is_one_sitting_a_row_in_reading_order() -> None:
