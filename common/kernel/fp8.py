@@ -65,7 +65,7 @@ def amax_scale(amax: torch.Tensor, dtype: torch.dtype = E4M3, pow2: bool = False
     return torch.exp2(torch.floor(torch.log2(s))) if pow2 else s
 
 
-def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def scale_to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp8(clamp(x · s, ±fp8_max)): the clamp only catches fp32's rounding of amax · s."""
     top = fp8_max(dtype)
     return (x.float() * scale).clamp(-top, top).to(dtype)
@@ -93,7 +93,7 @@ def quantize(x: torch.Tensor, block: tuple[int, int], dtype: torch.dtype = E4M3,
     rows, cols = x.shape[0] // block[0], x.shape[1] // block[1]
     tiles = x.reshape(rows, block[0], cols, block[1])
     scale = amax_scale(tiles.abs().amax(dim=(1, 3)), dtype, pow2)
-    data = cast(tiles, scale[:, None, :, None], dtype).reshape(x.shape)
+    data = scale_to_fp8(tiles, scale[:, None, :, None], dtype).reshape(x.shape)
     return Quantized(data, scale, tuple(block))
 
 
@@ -140,7 +140,7 @@ def quantize_flat(x: torch.Tensor, block: int, offset: int = 0, dtype: torch.dty
     amax = torch.zeros(int(groups[-1]) + 1 if x.numel() else 0, dtype=torch.float32)
     amax = amax.scatter_reduce(0, groups, x.detach().float().abs().flatten(), "amax")
     scale = amax_scale(amax, dtype, pow2)
-    return cast(x.flatten(), scale[groups], dtype), scale
+    return scale_to_fp8(x.flatten(), scale[groups], dtype), scale
 
 
 def dequantize_flat(data: torch.Tensor, scale: torch.Tensor, block: int, offset: int = 0) -> torch.Tensor:
