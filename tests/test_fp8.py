@@ -226,3 +226,23 @@ def test_fp8_dispatch_sends_half_of_bf16s_payload_plus_the_scales(pools):
         assert r["fp8"] == r["sent"] * (dim * 1 + dim // tile * 4)
         assert r["bf16"] == r["sent"] * dim * 2
         assert r["fp8"] - r["sent"] * dim // tile * 4 == r["bf16"] / 2
+
+
+def test_the_planner_prices_deepseek_v3s_fp8_dispatch_at_the_metered_bytes():
+    """07's planner (DeepSeek-V3's layout): the dispatch and the combine's backward in FP8 rows,
+    1 + 4/128 bytes an element as the dispatch above meters them; the other half in bf16."""
+    from parallel3d.memory_model import Layout
+    from parallel3d.planner import RUNS
+    from parallel3d.planner.moe import FP8_ROW_BYTES, all_to_all_bytes
+    from parallel3d.planner.published import run_model
+
+    run = next(r for r in RUNS if r.name == "DeepSeek-V3 pre-training")
+    cfg, moe = run_model(run)
+    layout = Layout(tp=run.tp, pp=run.pp, dp=run.dp, zero=run.zero, micro_batch=run.micro_batch,
+                    recompute=run.recompute, ep=run.ep, schedule=run.schedule)
+    bf16 = all_to_all_bytes(cfg, moe, layout, run.seq_len, 8)
+    fp8 = all_to_all_bytes(cfg, moe, layout, run.seq_len, 8, fp8_dispatch=True)
+    dim, tile = cfg.dim, 128
+    assert FP8_ROW_BYTES * dim == dim * 1 + dim // tile * 4  # one row: payload + its tiles' scales
+    assert fp8 / bf16 == pytest.approx((FP8_ROW_BYTES + 2) / (2 * 2), rel=1e-12)
+    assert 0.75 < fp8 / bf16 < 0.76
