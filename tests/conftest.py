@@ -59,7 +59,8 @@ BUDGET_S: dict[str, tuple[tuple[str, ...], float]] = {
     "labs (the grader on each lab)": (("test_lab_*.py",), 105),
     "benches (each exits)": (("test_benches.py",), 20),
     "moe (the layer, its training, expert parallelism)": (("test_moe*.py", "test_expert_parallel.py"), 18),
-    "precision (fp16 loss scaling, numerics)": (("test_loss_scal*.py", "test_numerics*.py"), 15),
+    "precision (fp16 loss scaling, numerics, fp8)": (("test_loss_scal*.py", "test_numerics*.py",
+                                                      "test_fp8.py"), 20),
 }
 _seconds: dict[str, float] = defaultdict(float)
 

@@ -73,3 +73,51 @@ def test_an_update_below_half_an_ulp_is_lost():
     delta = torch.tensor([2.0**-9, 2.0**-7])
     assert lost_updates(theta, delta, torch.bfloat16).tolist() == [True, False]
     assert lost_updates(theta, delta, torch.float32).tolist() == [False, False]
+
+
+def fp8_rows() -> dict[str, list[str]]:
+    rows = {}
+    for line in PAGE.read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells and cells[0] in ("tensorwise", "rowwise", "blockwise") and len(cells) == 7:
+            rows[cells[0]] = cells
+    return rows
+
+
+def fp8_table_cells(table: dict) -> dict[str, list[str]]:
+    """The page's FP8 table as the code computes it (data_parallel.figures.fp8, the figure's data)."""
+    pct = lambda v: f"{100 * v:.3g}%"  # noqa: E731
+    return {r: [str(t["scales"]), pct(t["mean_rel_error"]), pct(t["subnormal_share"]),
+                pct(t["mean_rel_error_high"]), pct(t["gemm_error"])] for r, t in table.items()}
+
+
+@pytest.fixture(scope="module")
+def fp8_table() -> dict:
+    from data_parallel.figures.fp8 import fp8_data
+
+    return fp8_data(factors=(1.0,))["table"]
+
+
+def test_the_pages_fp8_table_is_computed(fp8_table):
+    rows = fp8_rows()
+    assert list(rows) == ["tensorwise", "rowwise", "blockwise"], f"the page's FP8 table lists {list(rows)}"
+    want = fp8_table_cells(fp8_table)
+    for name, cells in rows.items():
+        assert cells[2:] == want[name], f"{name}: the page says {cells[2:]}, the code gives {want[name]}"
+
+
+def test_the_fp8_table_check_can_fail(fp8_table):
+    """Negative control: blockwise's error 1% larger no longer matches the page."""
+    off = {**fp8_table, "blockwise": {**fp8_table["blockwise"],
+                                      "mean_rel_error": 1.01 * fp8_table["blockwise"]["mean_rel_error"]}}
+    assert fp8_table_cells(off)["blockwise"] != fp8_rows()["blockwise"][2:]
+
+
+def test_the_pages_fp8_formats_and_byte_ratios():
+    """The prose's numbers: e4m3's count of positive values, and the dispatch's (d + 4d/128)/2d."""
+    from data_parallel.figures.fp8 import fp8_grid
+
+    text = " ".join(PAGE.read_text(encoding="utf-8").split())
+    assert f"({len(fp8_grid('e4m3'))} positive values)" in text
+    ratio = (1 + 4 / 128) / 2
+    assert f"{100 * ratio:.1f}%" in text and f"{100 * 4 / 128:.0f}% more" in text

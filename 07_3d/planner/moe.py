@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 from functools import cache
 
+from common.kernel.fp8 import TILE
 from common.kernel.model import LlamaConfig
 from parallel3d.memory_model import (
     Layout,
@@ -123,6 +124,8 @@ def moe_stage_units(cfg: LlamaConfig, moe: MoEShape, tp: int, pp: int, ep: int
                     tuple(experts for b in blocks if b >= moe.first_dense_layers)))
     return tuple(out)
 
+FP8_ROW_BYTES = 1 + 4 / TILE  # bytes per element of an FP8 row: the payload and its tiles' fp32 scales
+
 
 def check_ep(moe: MoEShape, layout: Layout) -> None:
     if layout.shards % layout.ep or moe.n_experts % layout.ep:
@@ -131,17 +134,21 @@ def check_ep(moe: MoEShape, layout: Layout) -> None:
 
 
 def all_to_all_bytes(cfg: LlamaConfig, moe: MoEShape, layout: Layout, seq_len: int,
-                     microbatches: int, elem: int = 2, skew: float = 1.0) -> float:
+                     microbatches: int, elem: int = 2, skew: float = 1.0, fp8_dispatch: bool = False
+                     ) -> float:
     """Bytes the busiest EP rank sends per step: its stage's MoE blocks × m micro-batches × 4
     all-to-alls (6 under full recomputation: assumed, until an EP meter says, that the gate
     product after the combine saves its input, so the rerun goes through both) of
-    (ep-1)/ep · T·k·h·e, × skew."""
+    (ep-1)/ep · T·k·h·e, × skew. `fp8_dispatch` (DeepSeek-V3 §3.3.2): the half of them that
+    carry rows into the experts (the dispatch, the combine's backward) send FP8 rows with an
+    fp32 scale per 1 × 128 tile, e = 1 + 4/128; the combine and the dispatch's backward stay e."""
     if layout.ep == 1:
         return 0.0
     stages = moe_stage_units(cfg, moe, layout.tp, layout.pp, layout.ep)
     blocks = max(len(experts) for _, experts in stages)
     passes = 4 + (2 if layout.recompute == "full" else 0)
-    one = (layout.ep - 1) / layout.ep * local_tokens(layout, seq_len) * moe.top_k * cfg.dim * elem
+    e = (elem + FP8_ROW_BYTES) / 2 if fp8_dispatch else elem
+    one = (layout.ep - 1) / layout.ep * local_tokens(layout, seq_len) * moe.top_k * cfg.dim * e
     return blocks * microbatches * passes * one * skew
 
 
