@@ -242,7 +242,7 @@ def routing_error(n_experts: int, top_k: int, n_groups: int, topk_groups: int) -
         return f"topk_groups={topk_groups}: use 1 … n_expert_groups={n_groups}"
     if topk_groups * (n_experts // n_groups) < top_k:
         return (f"topk_groups={topk_groups} of n_expert_groups={n_groups} hold {topk_groups} × "
-                f"{n_experts // n_groups} experts < top_k={top_k}: raise topk_groups to at least "
+                f"{n_experts // n_groups} experts < top_k={top_k}: raise topk_groups to "
                 f"{math.ceil(top_k / (n_experts // n_groups))}")
     return None
 
