@@ -7,6 +7,7 @@ float64 at 1e-10 over 3 steps, and after every step every rank holds the single 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from common.kernel.moe import (
 )
 from common.reference import make_reference
 from common.training import loss_value, rank_micro_batches
+from parallel3d.checkpoint.trainer import load_trainer_state, save_trainer_state, trainer_config
 from tensor_parallel import train_expert as ep_train
 from tests.equivalence import RunRecord, TrainSpec, differences, spec_run
 from tests.test_3d_experts import moe_flags, strategy_moe
@@ -189,3 +191,55 @@ def test_3d_with_the_bias_router_equals_one_device(pools):
     spec = TrainSpec(cfg=cfg, world_size=4, dp=2, global_batch=4, micro_batch=1, seq_len=8, steps=3,
                      optimizer="adamw", seed=5)
     check_against_one_device(pools, spec, strategy_moe, moe_flags(1, 2, 2, 1, 2, "FULL_SHARD", ac="full"))
+
+
+# --- 07's checkpoints carry the bias, resharded like any replicated tensor ---------------------
+
+CKPT_SPEC = TrainSpec(cfg=router_config(n_layers=4), world_size=4, dp=2, global_batch=4, micro_batch=1,
+                      seq_len=8, steps=3, optimizer="adamw", seed=5)
+
+
+def identity(spec: TrainSpec) -> dict:
+    data = {"seed": spec.seed, "data": "synthetic", "global_batch": spec.global_batch,
+            "seq_len": spec.seq_len}
+    return {"data": data, "config": trainer_config(spec.cfg, spec.optimizer)}
+
+
+def train_steps(strategy, spec: TrainSpec, start: int, stop: int) -> list[dict[int, list[int]]]:
+    data, biases = spec.data(), []
+    for step in range(start, stop):
+        micro = rank_micro_batches(strategy, data.global_batch(step, spec.global_batch), spec.micro_batch,
+                                   strategy.device)
+        strategy.forward_backward(micro)
+        strategy.step()
+        strategy.zero_grad()
+        biases.append(layer_biases(strategy.model))
+    return biases
+
+
+def save_then_resume(root: str, spec: TrainSpec, flags_a: dict, flags_b: dict, saved_at: int):
+    """Train `saved_at` steps on mesh A and save; build mesh B, load, return its biases right
+    after the load, after each later step, and its final full parameters (rank 0)."""
+    a = strategy_moe(spec, flags_a)
+    train_steps(a, spec, 0, saved_at)
+    save_trainer_state(a.checkpoints.state, root, saved_at, **identity(spec))
+    spec = replace(spec, dp=flags_b["dp"])
+    b = strategy_moe(spec, flags_b)
+    start = load_trainer_state(b.checkpoints.state, root, **identity(spec))
+    loaded = layer_biases(b.model)
+    later = train_steps(b, spec, start, spec.steps)
+    return loaded, later, b.full_parameters()
+
+
+def test_a_3d_checkpoint_resumes_the_bias_on_another_mesh(pools, tmp_path):
+    """Saved after step 2 on PP 2 × EP 2 (each stage holds its layers' biases), resumed on
+    dp_shard 4 × EP 4 (every rank holds all): the loaded bias and the one after step 3 are the
+    single device's, and so are the final parameters (a load that skips buffers goes red)."""
+    reference, ref_biases = reference_with_bias(CKPT_SPEC)
+    results = pools.run(4, save_then_resume, str(tmp_path), CKPT_SPEC,
+                        moe_flags(1, 2, 2, 1, 2, "FULL_SHARD"), moe_flags(1, 4, 1, 1, 4, "FULL_SHARD"),
+                        CKPT_SPEC.steps - 1)
+    for loaded, later, _ in results:
+        assert loaded == ref_biases[-2] and later == ref_biases[-1:]
+    assert differences(RunRecord([1.0], [{}], results[0][2]), RunRecord([1.0], [{}], reference.params))[
+        "param"] <= 1e-10

@@ -329,12 +329,14 @@ def update_expert_bias(model: nn.Module, data_group=None) -> None:
     """After an optimizer step, every MoE layer of `model` with γ > 0: b_e += γ·sign(mean − load_e),
     the loads of this step's training forwards summed over `data_group` (the ranks that route
     other tokens: DP, EP; not TP, whose ranks route the same ones) in one all-reduce; None: one
-    device. Every rank of the group calls it with the same layers (one pipeline stage's)."""
+    device. Every rank of the group calls it with the same layers (one pipeline stage's); a step
+    with no training forward (an lr-0 step that builds the optimizer's state) changes nothing."""
     layers = [m for m in moe_layers(model) if m.bias_update_rate]
-    if not layers:
+    counted = [m.step_load for m in layers if m.step_load is not None]
+    if not counted:  # no training forward since the last update (the ranks of a group agree)
         return
-    loads = torch.stack([m.bias_steps.new_zeros(m.bias_steps.shape, device=m.router.weight.device)
-                         if m.step_load is None else m.step_load for m in layers])
+    loads = torch.stack([counted[0].new_zeros(counted[0].shape) if m.step_load is None else m.step_load
+                         for m in layers])
     if data_group is not None:
         dist.all_reduce(loads, group=data_group)
     E = loads.shape[-1]
