@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.kernel.moe import MoEAuxLossAutoScaler, MoEFeedForward, route
+from common.kernel.moe import MoEAuxLossAutoScaler, MoEFeedForward
 
 from .formulas import Shape
 from .mappings import (
@@ -82,8 +82,11 @@ class TensorParallelMoE(MoEFeedForward):
         w = layer.router.weight
         with torch.device(w.device):
             super().__init__(D, H // t, E, layer.top_k, layer.gate, layer.aux_loss_coef,
-                             layer.capacity_factor, None if full_shared is None else _SwiGLU(D, Hs // t))
+                             layer.capacity_factor, None if full_shared is None else _SwiGLU(D, Hs // t),
+                             layer.bias_update_rate, *layer.groups)
         self.to(w.dtype)
+        if layer.bias_update_rate:  # the router's bias: whole on every TP rank, like the router
+            self.bias_steps = layer.bias_steps.clone()
         self.group, self.sequence_parallel, self.tp = group, sequence_parallel, t
         self.dispatcher, self.aux_loss_scale = layer.dispatcher, layer.aux_loss_scale
         self.hidden, self.shared_hidden = H, Hs
@@ -115,7 +118,7 @@ class TensorParallelMoE(MoEFeedForward):
         router_dtype = torch.promote_types(x.dtype, torch.float32)  # bf16 activations: fp32 logits
         weight = copy_to_tp_region(self.router.weight, g)  # its gradient summed over TP
         logits = F.linear(x.to(router_dtype), weight.to(router_dtype))
-        plan, balance = route(logits, self.top_k, self.gate, self.capacity_factor, dtype=x.dtype)
+        plan, balance = self.route(logits, x.dtype)  # the same on every TP rank
         flat = x.reshape(B * T, D)
         inputs, counts = self.dispatcher.dispatch(flat, plan)
         y = self.dispatcher.combine(self.experts(inputs, counts), plan)  # partial over the TP ranks
@@ -125,7 +128,6 @@ class TensorParallelMoE(MoEFeedForward):
         y = reduce_scatter_to_sequence_parallel_region(y, g) if sp else reduce_from_tp_region(y, g)
         aux = self.aux_loss_coef * balance.mean()
         self.last_aux_loss = aux.detach()
-        self.last_tokens_per_expert = torch.bincount(plan.experts.flatten(), minlength=plan.n_experts)
         if self.aux_loss_coef and torch.is_grad_enabled():  # 1/t per rank: the sums count it once
             y = MoEAuxLossAutoScaler.apply(y, aux, self.aux_loss_scale / self.tp)
         return y

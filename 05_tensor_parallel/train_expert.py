@@ -22,12 +22,14 @@ plus the count exchange (ep-1)/ep · E · 8 bytes (int64). Load: rows this rank'
 With --tp t every TP rank of a data-parallel rank dispatches the same rows in its own EP group
 (the same bytes each), and the TP collectives add chapter 05's per block (formulas.py) plus each
 MoE layer's router weight gradient, less SP's re-gather (moe_tensor_parallel.moe_block_extra_bytes).
+--bias-update-rate γ: DeepSeek-V3's selection bias (common/kernel/moe.py), updated after each step
+from the loads of every dp rank (one all-reduce of L·E counts over the dp group).
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -39,7 +41,8 @@ from common.kernel.clip import clip_grads_by_global_norm_
 from common.kernel.collectives import all_gather_single
 from common.kernel.comm_bytes import ring_fraction
 from common.kernel.mesh import MeshError, build_mesh, mesh_shape
-from common.kernel.model import build_model, initializer, loss_fn, materialize
+from common.kernel.model import LlamaConfig, build_model, initializer, loss_fn, materialize
+from common.kernel.moe import update_bias_after_each_step
 from common.kernel.optimizer_bytes import optimizer_state_bytes
 from common.memory import optimizer_state_tensors, storage_bytes
 from common.mixed_precision import MasterWeights
@@ -68,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: every expert cut like the SwiGLU")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="shard the norm/residual regions along the sequence (with --tp)")
+    p.add_argument("--bias-update-rate", type=float, default=None, metavar="GAMMA",
+                   help="DeepSeek-V3's auxiliary-loss-free balancing: each expert's selection bias "
+                        "moves by GAMMA after every step (default: the model's, 0 = off)")
     return p.parse_args(argv)
 
 
@@ -86,6 +92,7 @@ def validate(args: argparse.Namespace, world_size: int) -> Run:
     cfg, tp = model_config(args), args.tp or 1
     require(cfg.n_experts > 0, f"--model {args.model} has no experts: expert parallelism needs a "
                                "mixture-of-experts model (e.g. --model tiny-moe); a dense one: make run-5")
+    cfg = with_bias_update_rate(cfg, getattr(args, "bias_update_rate", None), args.check)
     try:
         dp = mesh_shape(world_size, tp=tp).dp
         mesh = mesh_shape(world_size, tp=tp, ep=dp if args.ep is None else args.ep, n_experts=cfg.n_experts)
@@ -95,7 +102,19 @@ def validate(args: argparse.Namespace, world_size: int) -> Run:
         default = " (--ep defaults to every data-parallel rank)" if args.ep is None else ""
         raise ConfigError(f"--model {args.model}: {error}{default}") from None
     layout = batch_layout(args.global_batch, mesh.dp, args.micro_batch, args.grad_accum)
-    return resolve_run(args, mesh, layout, ExpertParallelOptions(args.sequence_parallel))
+    return resolve_run(args, mesh, layout, ExpertParallelOptions(args.sequence_parallel), model=cfg)
+
+
+def with_bias_update_rate(cfg: LlamaConfig, rate: float | None, check: bool) -> LlamaConfig:
+    """--bias-update-rate into the model's config (None: the model's own). Refused with --check:
+    the single-device reference does not update a bias (tests/test_moe_router.py compares one)."""
+    if rate is not None:
+        require(rate >= 0, f"--bias-update-rate {rate}: use >= 0 (0: no selection bias)")
+        cfg = replace(cfg, bias_update_rate=rate)
+    require(not (check and cfg.bias_update_rate), f"--bias-update-rate {cfg.bias_update_rate} with "
+            "--check: the single-device reference of --check does not update the router's bias; "
+            "drop one of the flags")
+    return cfg
 
 
 class ExpertParallelStrategy(Strategy):
@@ -128,9 +147,11 @@ class ExpertParallelStrategy(Strategy):
             self.model.to(torch.bfloat16)
         self.weights.accumulate_in_backward()
         self.optimizer = make_optimizer(self.weights.master, run.optimizer, run.lr)
+        update_bias_after_each_step(self.optimizer, self.model, self.dp_group)  # γ > 0: the loads of dp
         self.optimizer_name, self.clip_grad = run.optimizer, run.clip_grad
         self.name = "ep" if self.tp == 1 else "tp+ep"
         self.dim, self.n_experts, self.device = cfg.dim, cfg.n_experts, ctx.device
+        self.bias_update_rate = cfg.bias_update_rate
         self.e = self.model.output.weight.itemsize
         self.reduce_itemsize = 4 if self.mixed else self.e  # fp32 master gradients in mixed precision
         self.steps_log: list[list[tuple[int, int, int]]] = []
@@ -206,9 +227,10 @@ class ExpertParallelStrategy(Strategy):
     def formulas(self, steps: int) -> tuple[float, dict[str, float]]:
         """Per rank: the all-to-alls + per step 2(d-1)/d·P_rest·e_r + 2(g-1)/g·P_experts·e_r
         (d = dp, g = dp/ep, P: this rank's TP pieces) + the clip's one scalar over the EP and TP
-        groups + under TP, per micro-batch, chapter 05's blocks, embedding and head and each MoE
-        layer's router gradient; params P_local·e, grads P_local·e_r, optimizer by
-        optimizer_state_bytes (+ the fp32 master in mixed precision)."""
+        groups (+ with a router bias 2(d-1)/d · L·E·8, the loads) + under TP, per micro-batch,
+        chapter 05's blocks, embedding and head and each MoE layer's router gradient; params
+        P_local·e, grads P_local·e_r, optimizer by optimizer_state_bytes (+ the fp32 master in
+        mixed precision)."""
         sizes = {True: 0, False: 0}
         for n, p in self.model.named_parameters():
             sizes[is_expert(n)] += p.numel()
@@ -217,6 +239,8 @@ class ExpertParallelStrategy(Strategy):
         per_step *= self.reduce_itemsize
         if self.clip_grad is not None:
             per_step += sum(ring_fraction(n, 2) * (8 if self.e == 8 else 4) for n in (self.ep, self.tp))
+        if self.bias_update_rate:  # the routing loads: L·E int64 counts over the dp group
+            per_step += ring_fraction(d, 2) * len(self.layers) * self.n_experts * 8
         if self.tp > 1:
             moe = len(self.layers) * moe_block_extra_bytes(self.shape, self.n_experts)
             per_step += self.grad_accum * (microbatch_comm_bytes(self.shape) + moe)

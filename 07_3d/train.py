@@ -32,7 +32,7 @@ import argparse
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -49,6 +49,7 @@ from common.cli import (
 from common.dist import DistContext
 from common.kernel.mesh import MeshError, MeshShape, build_mesh, mesh_shape
 from common.kernel.model import LlamaConfig, build_model
+from common.kernel.moe import update_bias_after_each_step
 from common.kernel.patch import patch_dist
 from common.memory import ActivationMeter
 from common.reference import make_optimizer
@@ -89,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="pipeline stages (default: 2 when the world size is a multiple of 4, else 1)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel size, innermost: one node "
                    "(default: 2 when the world size is a multiple of 4, else 1)")
+    p.add_argument("--bias-update-rate", type=float, default=None, metavar="GAMMA", help="MoE "
+                   "models: DeepSeek-V3's router bias moves by GAMMA a step (default: the model's)")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size: each rank holds s/cp "
                    "tokens of a sequence, attention passes K/V around the CP ring (inside DP)")
     p.add_argument("--schedule", default="1f1b", help=" | ".join(SCHEDULES))
@@ -129,6 +132,12 @@ def validate(args: argparse.Namespace, world_size: int) -> Run:
     cp = 1 if getattr(args, "cp", None) is None else args.cp  # namespaces built without it
     replicate, shard = getattr(args, "dp_replicate", None), getattr(args, "dp_shard", None)
     tp, pp, ep, cfg = args.tp, args.pp, getattr(args, "ep", 1), model_config(args)
+    if (rate := getattr(args, "bias_update_rate", None)) is not None:
+        require(rate >= 0 and (cfg.n_experts or not rate), f"--bias-update-rate {rate} with --model "
+                f"{args.model}: use >= 0, and a mixture-of-experts model (e.g. --model tiny-moe)")
+        cfg = replace(cfg, bias_update_rate=rate)
+    require(not (args.check and cfg.bias_update_rate), f"--bias-update-rate {cfg.bias_update_rate} "
+            "with --check: the single-device reference does not update the router's bias")
     given = (args.dp, replicate, shard)
     if tp is None and pp is None and given == (None,) * 3 and world_size % (4 * max(cp, 1)) == 0:
         tp, pp = 2, 2  # the demo's default: 8 ranks → dp 2 × pp 2 × tp 2 (--cp 2: dp 1)
@@ -175,7 +184,7 @@ def validate(args: argparse.Namespace, world_size: int) -> Run:
                                 sharding, args.mixed_precision, args.seed)
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, args.steps // 10)
     return resolve_run(args, mesh, layout, Train3DOptions(parallel, lr_schedule, warmup, args.min_lr_ratio,
-                                                          checkpoint))
+                                                          checkpoint), model=cfg)
 
 
 def validate_batch(args: argparse.Namespace, dp: int, pp: int) -> BatchLayout:
@@ -245,6 +254,7 @@ class Parallel3DStrategy(Strategy):
         self.ep_steps: list[list[tuple[int, int, int]]] = []  # each step's dispatches (A, B, rows)
         self.model = nn.ModuleList(self.chunks)
         self.optimizer = make_optimizer(self.model.parameters(), run.optimizer, run.lr)
+        update_bias_after_each_step(self.optimizer, self.model, mesh.dp_group)  # MoE, γ > 0 (cp = 1)
         self.scheduler = (warmup_cosine_scheduler(self.optimizer, run.steps, options.warmup_steps,
                                                   options.min_lr_ratio)
                           if options.lr_schedule == "cosine" else None)
@@ -260,7 +270,7 @@ class Parallel3DStrategy(Strategy):
         self.busy_s, self.steps_done, self.cp_sent = 0.0, 0, [0.0]  # cp_sent: counting_sends
         state = TrainerState(self.shards, self.optimizer, self.scheduler, ctx.device,
                              {"mesh": run.mesh.as_dict(), "dtype": run.dtype_name,
-                              "mixed_precision": run.mixed_precision})
+                              "mixed_precision": run.mixed_precision}, self.chunks)
         self.checkpoints = Checkpointing(state, options.checkpoint, run.steps, mesh.rank, mesh.size)
         self.start_step = self.checkpoints.resume()
 

@@ -58,7 +58,7 @@ BUDGET_S: dict[str, tuple[tuple[str, ...], float]] = {
                                         "test_lesson_numbers.py", "test_sittings.py"), 230),
     "labs (the grader on each lab)": (("test_lab_*.py",), 105),
     "benches (each exits)": (("test_benches.py",), 20),
-    "moe (the layer, its training, expert parallelism)": (("test_moe*.py", "test_expert_parallel.py"), 18),
+    "moe (the layer, its training, expert parallelism)": (("test_moe*.py", "test_expert_parallel.py"), 26),
     "precision (fp16 loss scaling, numerics, fp8)": (("test_loss_scal*.py", "test_numerics*.py",
                                                       "test_fp8.py"), 20),
 }

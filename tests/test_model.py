@@ -62,14 +62,14 @@ PUBLISHED = {
     "deepseek-v3": (7168, 61, 128, 128, 129280, 1024, 0.96, 1e-6, 10000.0, None, 4096),
 }
 MOE_FIELDS = ("n_experts", "top_k", "n_shared_experts", "moe_hidden_dim", "gate", "aux_loss_coef",
-              "capacity_factor", "first_dense_layers")
-DENSE = (0, 2, 0, None, "softmax", 0.01, None, 0)  # the defaults, unused by a dense model
+              "capacity_factor", "first_dense_layers", "bias_update_rate", "n_expert_groups", "topk_groups")
+DENSE = (0, 2, 0, None, "softmax", 0.01, None, 0, 0.0, 1, 1)  # the defaults, unused by a dense model
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 MLA_PUBLISHED = {"deepseek-v3": (1536, 512, 128, 64, 128)}  # its config.json; planner-only
 MOE_PUBLISHED = {
-    "tiny-moe": (8, 2, 1, 32, "softmax", 0.01, None, 1),
-    "mixtral-8x7b": (8, 2, 0, 14336, "softmax", 0.02, None, 0),
-    "deepseek-v3": (256, 8, 1, 2048, "sigmoid", 1e-4, None, 3),
+    "tiny-moe": (8, 2, 1, 32, "softmax", 0.01, None, 1, 0.0, 1, 1),
+    "mixtral-8x7b": (8, 2, 0, 14336, "softmax", 0.02, None, 0, 0.0, 1, 1),
+    "deepseek-v3": (256, 8, 1, 2048, "sigmoid", 1e-4, None, 3, 1e-3, 8, 4),
 }
 
 

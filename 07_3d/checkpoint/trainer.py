@@ -8,22 +8,24 @@ shard, saved under each of its names.
     load_trainer_state(state, path, data=, config=)         every rank; returns the steps done
     Checkpointing(state, plan, steps, rank, world)          the trainer's schedule of saves
 
-`state` (TrainerState) is what the files hold: the ShardMap, the optimizer, the scheduler and
-the device whose RNG is saved; `data` (DATA_KEYS: the flags the batches depend on,
-train_checkpoint_flags.py's `data_identity`) and `config` (trainer_config) are what a checkpoint
-must match to be resumed. The flags (--checkpoint-dir, --save-every, --resume, --keep) and their
-validation into a CheckpointPlan are the demo's (07_3d/train_checkpoint_flags.py). Depends only
-on torch (and the ShardMap of shards.py).
+`state` (TrainerState) is what the files hold: the ShardMap, the optimizer, the scheduler, the
+device whose RNG is saved and the modules whose buffers are saved whole (a MoE router's bias);
+`data` (DATA_KEYS: the flags the batches depend on, train_checkpoint_flags.py's `data_identity`)
+and `config` (trainer_config) are what a checkpoint must match to be resumed. The flags
+(--checkpoint-dir, --save-every, --resume, --keep) and their validation into a CheckpointPlan are
+the demo's (07_3d/train_checkpoint_flags.py). Depends only on torch (and the ShardMap of shards.py).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from parallel3d.checkpoint.load import load_checkpoint, resolve_checkpoint
 from parallel3d.checkpoint.save import CheckpointError, save_checkpoint
@@ -52,6 +54,7 @@ class TrainerState:
     scheduler: torch.optim.lr_scheduler.LRScheduler | None
     device: torch.device  # whose RNG is saved (CPU's always)
     info: dict = field(default_factory=dict)  # JSON saved beside it (mesh, dtype, ...)
+    modules: Sequence[nn.Module] = ()  # whose buffers are saved whole (the chunks: routers' biases)
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,16 @@ def param_slices(shards: ShardMap) -> dict[str, ParamSlice]:
     """{reference name: ParamSlice of a flat shard} for every piece this rank holds."""
     return {p.name: ParamSlice(shards.units[p.unit].flat_param, p.region, start=p.start)
             for p in shards.pieces}
+
+
+def whole_buffers(modules: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
+    """{reference name: buffer} of every persistent buffer of `modules` (a MoE router's bias
+    `bias_steps`, the same on every rank that holds its layer: saved once, loaded whole; a dense
+    LLaMA has none), the wrappers' segments dropped from the names. Read at each save and load:
+    a layer may have moved its buffer to the device since."""
+    wrapped = lambda part: part.startswith("_") and part.endswith("wrapped_module")  # noqa: E731
+    return {".".join(p for p in name.split(".") if not wrapped(p)): b
+            for m in modules for name, b in m.named_buffers()}
 
 
 def data_mismatch(saved: dict, now: dict) -> str | None:
@@ -99,7 +112,7 @@ def save_trainer_state(state: TrainerState, root: str | Path, step: int, *, data
     saved = {"step": step, "data": data,
              "scheduler": state.scheduler.state_dict() if state.scheduler is not None else None,
              "param_groups": param_groups_state(opt), **state.info}
-    shards = {**model_shards(slices), **optimizer_shards(opt, slices)}
+    shards = {**model_shards(slices), **optimizer_shards(opt, slices), **whole_buffers(state.modules)}
     return save_checkpoint(root, step, shards, saved, config=config,
                            rank_state=capture_rng_state(state.device), keep=keep)
 
@@ -109,7 +122,8 @@ def load_trainer_state(state: TrainerState, path: str | Path, *, data: dict, con
     mesh, into this rank's shards, optimizer, schedule and RNG; returns the steps already done."""
     slices = param_slices(state.shards)
     init_optimizer_state(state.optimizer)  # its lazily built tensors, to be filled
-    targets = {**model_shards(slices), **optimizer_shards(state.optimizer, slices)}
+    targets = {**model_shards(slices), **optimizer_shards(state.optimizer, slices),
+               **whole_buffers(state.modules)}
     loaded = load_checkpoint(path, targets, config=config)
     saved = loaded.state
     if (mismatch := data_mismatch(saved["data"], data)) is not None:

@@ -50,6 +50,12 @@ class LlamaConfig:
     aux_loss_coef: float = 0.01  # α of the sequence-wise load-balancing loss
     capacity_factor: float | None = None  # None: dropless; else C = ceil(cf·T·k/E) per sequence
     first_dense_layers: int = 0  # layers 0 … first_dense_layers-1 keep the dense SwiGLU
+    # DeepSeek-V3's router (moe.py): γ of the selection bias's update after each step (0: no bias),
+    # and group-limited routing: the top-k among the experts of each token's top topk_groups of
+    # n_expert_groups groups (1: no groups)
+    bias_update_rate: float = 0.0
+    n_expert_groups: int = 1
+    topk_groups: int = 1
     # Multi-head latent attention (DeepSeek-V2/V3's MLA), for the planner only: kv_lora_rank > 0
     # describes its shape (DeepSeek's config names), which `Llama` does not build. Q = W_qb ·
     # norm(W_qa x) (q_lora_rank; 0: W_q x), K/V = W_kvb · norm(c_kv), c_kv = W_kva x
@@ -113,8 +119,12 @@ class LlamaConfig:
                       (self.capacity_factor is None or self.capacity_factor > 0,
                        f"capacity_factor={self.capacity_factor}: use > 0, or None (dropless)"),
                       (0 <= self.first_dense_layers <= self.n_layers,
-                       f"first_dense_layers={self.first_dense_layers}: use 0 … n_layers={self.n_layers}")]
-            for ok, message in checks:
+                       f"first_dense_layers={self.first_dense_layers}: use 0 … n_layers={self.n_layers}"),
+                      (self.bias_update_rate >= 0, f"bias_update_rate={self.bias_update_rate}: use >= 0")]
+            from common.kernel.moe import routing_error  # a MoE config only (a dense copy: not)
+
+            groups = routing_error(self.n_experts, self.top_k, self.n_expert_groups, self.topk_groups)
+            for ok, message in [*checks, (groups is None, groups)]:
                 if not ok:
                     raise ValueError(f"{message} (n_experts={self.n_experts})")
         elif self.n_experts < 0:
@@ -155,12 +165,14 @@ CONFIGS: dict[str, LlamaConfig] = {
     # DeepSeek-V3's shape (its inference/configs/config_671B.json): MLA with 128 heads (query/key
     # 128 + 64 wide, value 128; latents q 1536, kv 512: 187.1M weights a layer), the first 3
     # layers dense (width 18432), then 256 experts of width 2048, top-8 by sigmoid, 1 shared
-    # expert: 671.0B total, 37.6B active. Its multi-token-prediction module (the 14B that make
-    # the checkpoint's 685B) is not counted. MLA is the planner's to price: `Llama` refuses it.
+    # expert, routed in the top 4 of 8 groups with a selection bias updated at γ = 0.001 (its
+    # paper, §2.1.2 and §4.2): 671.0B total, 37.6B active. Its multi-token-prediction module (the
+    # 14B that make the checkpoint's 685B) is not counted. MLA is the planner's to price: `Llama` refuses it.
     "deepseek-v3": LlamaConfig(dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, vocab_size=129280,
                                multiple_of=1024, ffn_dim_multiplier=0.96, norm_eps=1e-6,
                                max_seq_len=4096, n_experts=256, top_k=8, n_shared_experts=1,
                                moe_hidden_dim=2048, gate="sigmoid", aux_loss_coef=1e-4,
+                               bias_update_rate=1e-3, n_expert_groups=8, topk_groups=4,
                                first_dense_layers=3, q_lora_rank=1536, kv_lora_rank=512,
                                qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
 }
@@ -269,7 +281,8 @@ def feed_forward(cfg: LlamaConfig, layer_id: int) -> nn.Module:
 
     shared = FeedForward(cfg.dim, cfg.expert_hidden_dim) if cfg.n_shared_experts else None
     return MoEFeedForward(cfg.dim, cfg.expert_hidden_dim, cfg.n_experts, cfg.top_k, cfg.gate,
-                          cfg.aux_loss_coef, cfg.capacity_factor, shared)
+                          cfg.aux_loss_coef, cfg.capacity_factor, shared, cfg.bias_update_rate,
+                          cfg.n_expert_groups, cfg.topk_groups)
 
 
 class TransformerBlock(nn.Module):

@@ -10,9 +10,21 @@ bf16 softmax rounds every gate), only g cast back to the activations' dtype. e_n
 the logits (= the top-k of either gate's scores: both are monotonic), and
     gate "softmax" (Mixtral; torchtitan's route_norm):  p = softmax(logits) over all E, g_nj = p_e / Σ_j' p_e'
     gate "sigmoid" (DeepSeek-V3):                       σ = sigmoid(logits),           g_nj = σ_e / Σ_j' σ_e'
-DeepSeek-V3's selection bias (auxiliary-loss-free balancing), group-limited routing and routed
-scale 2.5 are not implemented. With softmax and k = 1, g = 1: the router then learns only from
-the aux loss (Switch keeps g = p_e unnormalised).
+With softmax and k = 1, g = 1: the router then learns only from the aux loss (Switch keeps
+g = p_e unnormalised). DeepSeek-V3's routed scale 2.5 is not implemented.
+
+DeepSeek-V3's router (`bias_update_rate` γ > 0, `n_expert_groups` G > 1; either gate, its own is
+"sigmoid"). The choice, not the gate, is biased: with s = p (softmax) or σ (sigmoid),
+    e_n = top-k of s_n + b (over the experts of the top-M groups),    g_nj = s_e / Σ_j' s_e'
+    group score = the sum of a group's top-2 of s + b;   M = topk_groups of the G groups
+Auxiliary-loss-free balancing: after each optimizer step (`update_expert_bias`),
+    b_e += γ · sign(mean_e' load_e' − load_e)        load_e = tokens that chose e this step
+counted over every training forward of the step (each micro-batch) and summed over the ranks that
+route different tokens (the data-parallel group), so b is the same on every rank and the same as
+one device's. b = γ · n with n the int64 buffer `bias_steps` (the net ±1 steps): no dtype cast (a
+bf16 model) rounds it, and every rank holds exactly the same. A recomputed forward (activation
+checkpointing) counts its tokens again: a layer's loads all double, and the signs stay. A step the
+fp16 scaler skips updates nothing; its loads count into the next.
 
 Load balance (DeepSeek-V3's sequence-wise loss; Switch's f·P, per sequence). Sequence b, T tokens:
     f_bi = E/(k·T) · #{t : i ∈ top-k(t)}    (the choices before capacity drops; no gradient)
@@ -58,6 +70,7 @@ from fractions import Fraction
 from functools import cached_property
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -114,10 +127,23 @@ def sequence_balance_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.T
     return (f * probs.mean(1)).sum(-1)
 
 
+def limit_to_groups(scores: torch.Tensor, n_groups: int, topk_groups: int) -> torch.Tensor:
+    """scores [..., E] → the same, -inf outside each token's `topk_groups` best of `n_groups`
+    groups of E/G consecutive experts; a group's score is the sum of its top-2 (DeepSeek-V3)."""
+    grouped = scores.unflatten(-1, (n_groups, -1))  # [..., G, E/G]
+    group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+    top = group_scores.topk(topk_groups, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, top, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
+
+
 def route(logits: torch.Tensor, top_k: int, gate: str, capacity_factor: float | None,
-          dtype: torch.dtype | None = None) -> tuple[RoutingPlan, torch.Tensor]:
+          dtype: torch.dtype | None = None, bias: torch.Tensor | None = None,
+          groups: tuple[int, int] = (1, 1)) -> tuple[RoutingPlan, torch.Tensor]:
     """logits [B, T, E] → (the plan over N = B·T tokens, the per-sequence balance terms [B]),
-    computed in float32 or better; the gate weights g in `dtype` (default: the logits')."""
+    computed in float32 or better; the gate weights g in `dtype` (default: the logits'). `bias`
+    [E] is added to the scores for the choice only; `groups` = (G, M): the top-k among the
+    experts of each token's top M of G groups."""
     _, T, E = logits.shape
     scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if gate == "softmax":
@@ -128,8 +154,12 @@ def route(logits: torch.Tensor, top_k: int, gate: str, capacity_factor: float | 
         normalised = probs / probs.sum(-1, keepdim=True)
     else:
         raise ValueError(f"gate={gate!r}: use 'softmax' or 'sigmoid'")
-    experts = scores.topk(top_k, dim=-1).indices  # [B, T, k]
-    chosen = probs.gather(-1, experts)
+    select = scores  # the top-k of the logits = of either gate's scores (both monotonic)
+    if bias is not None or groups[0] > 1:
+        select = probs if bias is None else probs + bias.to(probs.dtype)
+        select = select if groups[0] == 1 else limit_to_groups(select, *groups)
+    experts = select.topk(top_k, dim=-1).indices  # [B, T, k]
+    chosen = probs.gather(-1, experts)  # the gates: from the unbiased scores
     weights = (chosen / chosen.sum(-1, keepdim=True)).to(dtype or logits.dtype)
     kept = (torch.ones_like(experts, dtype=torch.bool) if capacity_factor is None
             else capacity_mask(experts, E, capacity(capacity_factor, T, top_k, E)))
@@ -204,6 +234,19 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
         return grad_output, aux_grad, None
 
 
+def routing_error(n_experts: int, top_k: int, n_groups: int, topk_groups: int) -> str | None:
+    """Why group-limited routing cannot pick k experts, or None."""
+    if n_groups < 1 or n_experts % n_groups:
+        return f"n_expert_groups={n_groups}: use a divisor of n_experts={n_experts}"
+    if not 1 <= topk_groups <= n_groups:
+        return f"topk_groups={topk_groups}: use 1 … n_expert_groups={n_groups}"
+    if topk_groups * (n_experts // n_groups) < top_k:
+        return (f"topk_groups={topk_groups} of n_expert_groups={n_groups} hold {topk_groups} × "
+                f"{n_experts // n_groups} experts < top_k={top_k}: raise topk_groups to "
+                f"{math.ceil(top_k / (n_experts // n_groups))}")
+    return None
+
+
 class MoEFeedForward(nn.Module):
     """The MoE feed-forward: router → plan → dispatch → experts → combine (+ the shared expert),
     the aux loss attached to the output by MoEAuxLossAutoScaler. x [B, T, dim] → [B, T, dim].
@@ -211,10 +254,14 @@ class MoEFeedForward(nn.Module):
 
     def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int, gate: str = "softmax",
                  aux_loss_coef: float = 0.0, capacity_factor: float | None = None,
-                 shared_expert: nn.Module | None = None):
+                 shared_expert: nn.Module | None = None, bias_update_rate: float = 0.0,
+                 n_expert_groups: int = 1, topk_groups: int = 1):
         super().__init__()
+        if (error := routing_error(n_experts, top_k, n_expert_groups, topk_groups)) is not None:
+            raise ValueError(error)
         self.top_k, self.gate = top_k, gate
         self.aux_loss_coef, self.capacity_factor = aux_loss_coef, capacity_factor
+        self.bias_update_rate, self.groups = bias_update_rate, (n_expert_groups, topk_groups)
         self.router = nn.Linear(dim, n_experts, bias=False)
         self.experts = GroupedExperts(n_experts, dim, hidden_dim)
         self.shared_expert = shared_expert
@@ -222,12 +269,32 @@ class MoEFeedForward(nn.Module):
         self.aux_loss_scale = 1.0  # set_aux_loss_scale: 1/(micro-batches the loss is divided by)
         self.last_aux_loss: torch.Tensor | None = None  # detached, for reports
         self.last_tokens_per_expert: torch.Tensor | None = None  # [E] choices before drops
+        self.step_load: torch.Tensor | None = None  # [E] choices of this step's training forwards
+        if bias_update_rate:  # on the CPU even under the meta device: nothing to materialize
+            self.register_buffer("bias_steps", torch.zeros(n_experts, dtype=torch.int64, device="cpu"))
+
+    @property
+    def expert_bias(self) -> torch.Tensor | None:
+        """b = γ · bias_steps [E] (float64), None without the bias."""
+        return self.bias_steps.double() * self.bias_update_rate if self.bias_update_rate else None
+
+    def route(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[RoutingPlan, torch.Tensor]:
+        """`route` with this layer's settings and bias; counts the choices (step_load in training)."""
+        if self.bias_update_rate and self.bias_steps.device != logits.device:
+            self.bias_steps = self.bias_steps.to(logits.device)  # built on the CPU
+        plan, balance = route(logits, self.top_k, self.gate, self.capacity_factor, dtype,
+                              self.expert_bias, self.groups)
+        chosen = torch.bincount(plan.experts.flatten(), minlength=plan.n_experts)
+        self.last_tokens_per_expert = chosen
+        if self.bias_update_rate and torch.is_grad_enabled():
+            self.step_load = chosen if self.step_load is None else self.step_load + chosen
+        return plan, balance
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
         router_dtype = torch.promote_types(x.dtype, torch.float32)  # bf16 activations: fp32 logits
         logits = F.linear(x.to(router_dtype), self.router.weight.to(router_dtype))
-        plan, balance = route(logits, self.top_k, self.gate, self.capacity_factor, dtype=x.dtype)
+        plan, balance = self.route(logits, x.dtype)
         flat = x.reshape(B * T, D)
         inputs, counts = self.dispatcher.dispatch(flat, plan)
         y = self.dispatcher.combine(self.experts(inputs, counts), plan)
@@ -236,7 +303,6 @@ class MoEFeedForward(nn.Module):
         y = y.view(B, T, D)
         aux = self.aux_loss_coef * balance.mean()
         self.last_aux_loss = aux.detach()
-        self.last_tokens_per_expert = torch.bincount(plan.experts.flatten(), minlength=plan.n_experts)
         if self.aux_loss_coef and torch.is_grad_enabled():
             y = MoEAuxLossAutoScaler.apply(y, aux, self.aux_loss_scale)
         return y
@@ -257,6 +323,33 @@ def aux_loss(model: nn.Module) -> torch.Tensor | None:
     """Σ over the MoE layers of the last forward's aux loss (detached), None without MoE layers."""
     values = [m.last_aux_loss for m in moe_layers(model) if m.last_aux_loss is not None]
     return torch.stack(values).sum() if values else None
+
+
+def update_expert_bias(model: nn.Module, data_group=None) -> None:
+    """After an optimizer step, every MoE layer of `model` with γ > 0: b_e += γ·sign(mean − load_e),
+    the loads of this step's training forwards summed over `data_group` (the ranks that route
+    other tokens: DP, EP; not TP, whose ranks route the same ones) in one all-reduce; None: one
+    device. Every rank of the group calls it with the same layers (one pipeline stage's); a step
+    with no training forward (an lr-0 step that builds the optimizer's state) changes nothing."""
+    layers = [m for m in moe_layers(model) if m.bias_update_rate]
+    counted = [m.step_load for m in layers if m.step_load is not None]
+    if not counted:  # no training forward since the last update (the ranks of a group agree)
+        return
+    loads = torch.stack([counted[0].new_zeros(counted[0].shape) if m.step_load is None else m.step_load
+                         for m in layers])
+    if data_group is not None:
+        dist.all_reduce(loads, group=data_group)
+    E = loads.shape[-1]
+    step = torch.sign(loads.sum(-1, keepdim=True) - E * loads)  # sign(mean − load), exactly in int64
+    for m, s in zip(layers, step, strict=True):
+        m.bias_steps += s.to(m.bias_steps.device)
+        m.step_load = None
+
+
+def update_bias_after_each_step(optimizer: torch.optim.Optimizer, model: nn.Module, data_group=None):
+    """`update_expert_bias(model, data_group)` after every `optimizer.step()` (a step post-hook);
+    returns the hook's handle. Nothing to do without a layer with γ > 0."""
+    return optimizer.register_step_post_hook(lambda *_: update_expert_bias(model, data_group))
 
 
 def active_parameters(model: nn.Module) -> int:
