@@ -91,7 +91,8 @@ COPY_SETS: dict[str, CopySet] = {
         "05_tensor_parallel/expert_parallel.md",
         "from tensor_parallel.expert_parallel import expert_parallel, is_expert",
         ("05_tensor_parallel/expert_parallel.py", "common/kernel/clip.py"),  # clipping: the global norm
-        ("05_tensor_parallel/expert_parallel.py", "common/kernel/clip.py", "common/kernel/moe.py")),
+        ("05_tensor_parallel/expert_parallel.py", "common/kernel/clip.py", "common/kernel/model.py",
+         "common/kernel/moe.py")),
     "ring attention": CopySet(
         "05_tensor_parallel/README.md", "from tensor_parallel.context_parallel import apply_context_parallel",
         ("05_tensor_parallel/context_parallel.py",),

@@ -99,8 +99,12 @@ def bf16_updates_data(steps: int = 16, lr: float = 1e-3, lrs: tuple[float, ...] 
             hits, total = lost.setdefault(kind, {}).setdefault(r, [0, 0]), direction.numel()
             hits[0] += int(lost_updates(before[name], r * direction, torch.bfloat16).sum())
             hits[1] += total
-    return {"steps": steps, "lr": lr, "rows": rows, "half_ulp_at_1": 2.0**-8,
-            "lost": {k: {str(r): h / t for r, (h, t) in v.items()} for k, v in lost.items()}}
+    # bf16 matmuls round differently per CPU kernel (avx2, avx512, default): the figure keeps two
+    # significant digits, what it draws, so that its data is the same on every machine
+    two = lambda x: float(f"{x:.2g}")  # noqa: E731
+    return {"steps": steps, "lr": lr, "rows": {k: [two(x) for x in v] for k, v in rows.items()},
+            "half_ulp_at_1": 2.0**-8,
+            "lost": {k: {str(r): two(h / t) for r, (h, t) in v.items()} for k, v in lost.items()}}
 
 
 def bf16_updates_draw(data: dict):

@@ -27,6 +27,18 @@ from torch import nn
 GATES = ("softmax", "sigmoid")  # a MoE router's gates (common/kernel/moe.py's route)
 
 
+def routing_error(n_experts: int, top_k: int, n_groups: int, topk_groups: int) -> str | None:
+    """Why group-limited routing cannot pick k experts, or None."""
+    if n_groups < 1 or n_experts % n_groups:
+        return f"n_expert_groups={n_groups}: use a divisor of n_experts={n_experts}"
+    if not 1 <= topk_groups <= n_groups:
+        return f"topk_groups={topk_groups}: use 1 … n_expert_groups={n_groups}"
+    if topk_groups * (per := n_experts // n_groups) < top_k:
+        return (f"topk_groups={topk_groups} of n_expert_groups={n_groups} hold {topk_groups} × {per} "
+                f"experts < top_k={top_k}: raise topk_groups to {math.ceil(top_k / per)}")
+    return None
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     dim: int
@@ -50,17 +62,14 @@ class LlamaConfig:
     aux_loss_coef: float = 0.01  # α of the sequence-wise load-balancing loss
     capacity_factor: float | None = None  # None: dropless; else C = ceil(cf·T·k/E) per sequence
     first_dense_layers: int = 0  # layers 0 … first_dense_layers-1 keep the dense SwiGLU
-    # DeepSeek-V3's router (moe.py): γ of the selection bias's update after each step (0: no bias),
-    # and group-limited routing: the top-k among the experts of each token's top topk_groups of
-    # n_expert_groups groups (1: no groups)
+    # DeepSeek-V3's router (moe.py): γ of the selection bias's update after each step (0: no bias); the
+    # top-k among the experts of each token's top topk_groups of n_expert_groups groups (1: no groups)
     bias_update_rate: float = 0.0
     n_expert_groups: int = 1
     topk_groups: int = 1
-    # Multi-head latent attention (DeepSeek-V2/V3's MLA), for the planner only: kv_lora_rank > 0
-    # describes its shape (DeepSeek's config names), which `Llama` does not build. Q = W_qb ·
-    # norm(W_qa x) (q_lora_rank; 0: W_q x), K/V = W_kvb · norm(c_kv), c_kv = W_kva x
-    # (kv_lora_rank, plus a shared RoPE key of qk_rope_head_dim); a head's query and key are
-    # qk_nope_head_dim + qk_rope_head_dim wide, its value v_head_dim.
+    # MLA (DeepSeek-V2/V3; the planner prices it, `Llama` refuses it): Q = W_qb·norm(W_qa x) (q_lora_rank;
+    # 0: W_q x), K/V = W_kvb·norm(c_kv), c_kv = W_kva x (kv_lora_rank, + a RoPE key qk_rope_head_dim wide);
+    # a head's query and key are qk_nope_head_dim + qk_rope_head_dim wide, its value v_head_dim.
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
     qk_nope_head_dim: int = 0
@@ -76,8 +85,7 @@ class LlamaConfig:
         return self.kv_lora_rank > 0
 
     @property
-    def qk_head_dim(self) -> int:
-        """One head's query/key width: head_dim, or MLA's nope + rope parts."""
+    def qk_head_dim(self) -> int:  # one head's query/key width: head_dim, or MLA's nope + rope parts
         return self.qk_nope_head_dim + self.qk_rope_head_dim if self.mla else self.head_dim
 
     @property
@@ -111,8 +119,7 @@ class LlamaConfig:
                              "qk_rope_head_dim and v_head_dim > 0")
         if self.n_experts:
             checks = [(1 <= self.top_k <= self.n_experts, f"top_k={self.top_k}: use 1 … n_experts"),
-                      (self.n_shared_experts in (0, 1),
-                       f"n_shared_experts={self.n_shared_experts}: use 0 or 1"),
+                      (self.n_shared_experts in (0, 1), f"n_shared_experts={self.n_shared_experts}: 0 or 1"),
                       (self.gate in GATES, f"gate={self.gate!r}: use one of {', '.join(GATES)}"),
                       (self.expert_hidden_dim > 0, f"moe_hidden_dim={self.moe_hidden_dim}: use > 0"),
                       (self.aux_loss_coef >= 0, f"aux_loss_coef={self.aux_loss_coef}: use >= 0"),
@@ -121,8 +128,6 @@ class LlamaConfig:
                       (0 <= self.first_dense_layers <= self.n_layers,
                        f"first_dense_layers={self.first_dense_layers}: use 0 … n_layers={self.n_layers}"),
                       (self.bias_update_rate >= 0, f"bias_update_rate={self.bias_update_rate}: use >= 0")]
-            from common.kernel.moe import routing_error  # a MoE config only (a dense copy: not)
-
             groups = routing_error(self.n_experts, self.top_k, self.n_expert_groups, self.topk_groups)
             for ok, message in [*checks, (groups is None, groups)]:
                 if not ok:
@@ -136,8 +141,7 @@ CONFIGS: dict[str, LlamaConfig] = {
     # Test and demo sizes: heads and kv-heads divisible by 4 (TP 4), layers by 8 (PP 4 × 2 virtual).
     "tiny": LlamaConfig(dim=32, n_layers=8, n_heads=4, n_kv_heads=4, vocab_size=256, multiple_of=16),
     "small": LlamaConfig(dim=256, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=256, multiple_of=64),
-    # MoE demo: tiny's attention, 8 experts (EP 2 and 4 split them) of width 32, top-2, a shared
-    # expert, layer 0 dense (DeepSeek's pattern).
+    # MoE demo: tiny's attention, 8 experts (EP 2, 4) of width 32, top-2, a shared one, layer 0 dense.
     "tiny-moe": LlamaConfig(dim=32, n_layers=8, n_heads=4, n_kv_heads=4, vocab_size=256, multiple_of=16,
                             n_experts=8, top_k=2, n_shared_experts=1, moe_hidden_dim=32,
                             first_dense_layers=1),
@@ -154,20 +158,17 @@ CONFIGS: dict[str, LlamaConfig] = {
     "llama3.1-70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
                                 multiple_of=4096, ffn_dim_multiplier=1.3, rope_theta=500000.0,
                                 rope_scaling=_LLAMA31_ROPE, max_seq_len=131072),
-    "llama3.1-405b": LlamaConfig(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8,
-                                 vocab_size=128256, multiple_of=4096, ffn_dim_multiplier=1.2,
-                                 rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE,
-                                 max_seq_len=131072),
+    "llama3.1-405b": LlamaConfig(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
+                                 multiple_of=4096, ffn_dim_multiplier=1.2, rope_theta=500000.0,
+                                 rope_scaling=_LLAMA31_ROPE, max_seq_len=131072),
     # MoE real shapes (meta device). Mixtral 8x7B: 46.7B total, 12.9B active, as published.
     "mixtral-8x7b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=32000,
                                 rope_theta=1e6, max_seq_len=32768, n_experts=8, top_k=2,
                                 moe_hidden_dim=14336, aux_loss_coef=0.02),
-    # DeepSeek-V3's shape (its inference/configs/config_671B.json): MLA with 128 heads (query/key
-    # 128 + 64 wide, value 128; latents q 1536, kv 512: 187.1M weights a layer), the first 3
-    # layers dense (width 18432), then 256 experts of width 2048, top-8 by sigmoid, 1 shared
-    # expert, routed in the top 4 of 8 groups with a selection bias updated at γ = 0.001 (its
-    # paper, §2.1.2 and §4.2): 671.0B total, 37.6B active. Its multi-token-prediction module (the
-    # 14B that make the checkpoint's 685B) is not counted. MLA is the planner's to price: `Llama` refuses it.
+    # DeepSeek-V3 (its inference/configs/config_671B.json): MLA with 128 heads (query/key 128 + 64, value
+    # 128; latents q 1536, kv 512: 187.1M weights a layer), 3 dense layers (18432), then 256 experts of 2048,
+    # top-8 by sigmoid, 1 shared, in the top 4 of 8 groups, bias γ = 0.001 (paper §2.1.2, §4.2): 671.0B total,
+    # 37.6B active; its MTP module (14B of the checkpoint's 685B) not counted.
     "deepseek-v3": LlamaConfig(dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, vocab_size=129280,
                                multiple_of=1024, ffn_dim_multiplier=0.96, norm_eps=1e-6,
                                max_seq_len=4096, n_experts=256, top_k=8, n_shared_experts=1,

@@ -74,6 +74,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from common.kernel.model import routing_error
+
 
 @dataclass
 class RoutingPlan:
@@ -232,19 +234,6 @@ class MoEAuxLossAutoScaler(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         aux_grad = torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=ctx.aux_device)
         return grad_output, aux_grad, None
-
-
-def routing_error(n_experts: int, top_k: int, n_groups: int, topk_groups: int) -> str | None:
-    """Why group-limited routing cannot pick k experts, or None."""
-    if n_groups < 1 or n_experts % n_groups:
-        return f"n_expert_groups={n_groups}: use a divisor of n_experts={n_experts}"
-    if not 1 <= topk_groups <= n_groups:
-        return f"topk_groups={topk_groups}: use 1 … n_expert_groups={n_groups}"
-    if topk_groups * (n_experts // n_groups) < top_k:
-        return (f"topk_groups={topk_groups} of n_expert_groups={n_groups} hold {topk_groups} × "
-                f"{n_experts // n_groups} experts < top_k={top_k}: raise topk_groups to "
-                f"{math.ceil(top_k / (n_experts // n_groups))}")
-    return None
 
 
 class MoEFeedForward(nn.Module):
