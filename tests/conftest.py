@@ -48,7 +48,7 @@ BUDGET_S: dict[str, tuple[tuple[str, ...], float]] = {
                                       "test_patch.py", "test_floors.py"), 70),
     "01 data parallel": (("test_data_parallel*.py", "test_ddp_mechanics.py"), 25),
     "02 ring all-reduce": (("test_ring_allreduce*.py",), 45),
-    "03 ZeRO": (("test_zero*.py",), 35),
+    "03 ZeRO": (("test_zero*.py", "test_state_subgroup.py"), 35),
     "04 FSDP": (("test_fsdp*.py",), 30),
     "05 tensor parallel": (("test_tensor_parallel*.py", "test_context_parallel*.py"), 35),
     "06 pipeline": (("test_pipeline*.py", "test_p2p_plan.py"), 42),
