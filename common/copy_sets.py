@@ -159,8 +159,12 @@ def module_path(module: str) -> str | None:
     return None
 
 
+DYNAMIC = ("importlib.import_module", "import_module", "__import__")  # called with a name: an import too
+
+
 def imports(path: str) -> list[Import]:
-    """Every import statement of a file (also inside functions), relative ones made absolute."""
+    """Every import statement of a file (also inside functions), relative ones made absolute, and
+    every `importlib.import_module("name")` / `__import__("name")`."""
     package = module_name(path) if path.endswith("__init__.py") else module_name(path).rpartition(".")[0]
     found: list[Import] = []
 
@@ -174,6 +178,9 @@ def imports(path: str) -> list[Import]:
                 names = tuple(a.name for a in child.names)
                 found.append(Import(module, names, child.lineno, lazy, typing_only))
             else:
+                if (isinstance(child, ast.Call) and ast.unparse(child.func) in DYNAMIC and child.args
+                        and isinstance(child.args[0], ast.Constant) and isinstance(child.args[0].value, str)):
+                    found.append(Import(child.args[0].value, (), child.lineno, lazy, typing_only))
                 in_function = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
                 checking = isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test)
                 visit(child, lazy or in_function, typing_only or checking)

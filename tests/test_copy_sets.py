@@ -50,6 +50,41 @@ def test_a_core_file_importing_outside_the_kernel_breaks_the_rule(tmp_path, monk
     assert "imports zero.flat: not its chapter, the kernel or a chapter it composes" in found, found
 
 
+# an optional package at a file's top, as each form of import runs it at import time
+OPTIONAL_AT_THE_TOP = {
+    "import matplotlib.pyplot as plt": "matplotlib.pyplot",
+    "from safetensors.torch import save_file": "safetensors.torch",
+    "try:\n    import matplotlib\nexcept ImportError:\n    matplotlib = None": "matplotlib",
+    "class Plot:\n    from matplotlib import pyplot": "matplotlib",
+    "import importlib\npyplot = importlib.import_module('matplotlib.pyplot')": "matplotlib.pyplot",
+    "safetensors = __import__('safetensors')": "safetensors",
+}
+INSIDE = "def plot():\n    import matplotlib.pyplot as plt\n    return plt\n"
+
+
+def test_an_optional_package_at_the_top_of_a_core_file_is_reported(tmp_path, monkeypatch):
+    """OPTIONAL packages (matplotlib, safetensors) only inside the function that needs it: every
+    form of import that runs when the file is imported is reported at its line, the same import
+    inside a function is not in a core file, and is in a kernel file (torch and the stdlib only)."""
+    for f in [*KERNEL, "pyproject.toml", "01_data_parallel/ddp.py", "01_data_parallel/naive.py"]:
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / f, tmp_path / f)
+    monkeypatch.setattr(copy_sets, "ROOT", tmp_path)
+    ddp, clip = tmp_path / "01_data_parallel/ddp.py", tmp_path / "common/kernel/clip.py"
+    ddp.write_text(ddp.read_text() + "\n" + INSIDE)
+    clip.write_text(clip.read_text() + "\n" + INSIDE)
+    assert copy_sets.violations() == [
+        f"common/kernel/clip.py:{len(clip.read_text().splitlines()) - 1} imports matplotlib.pyplot: "
+        "kernel files use torch and the stdlib only"]
+    clip.write_text((ROOT / "common/kernel/clip.py").read_text())
+    for planted, module in OPTIONAL_AT_THE_TOP.items():
+        ddp.write_text((ROOT / "01_data_parallel/ddp.py").read_text() + "\n" + planted + "\n")
+        first = len((ROOT / "01_data_parallel/ddp.py").read_text().splitlines()) + 2  # the planted lines'
+        line = first + next(i for i, text in enumerate(planted.split("\n")) if module.split(".")[0] in text)
+        assert copy_sets.violations() == [f"01_data_parallel/ddp.py:{line} imports {module} at the top: "
+                                          "import it inside the function that needs it"], planted
+
+
 def test_each_copy_set_is_the_import_closure_of_its_entries():
     for name, piece in COPY_SETS.items():
         assert copy_sets.closure(piece.entries) == piece.files, (

@@ -9,7 +9,8 @@ breach too, but only once the tensors move, and a rank that skips an exchange it
     1. every rank of a group posts the same all-to-alls in the same order (per phase: forward,
        backward), even one by which it sends and receives nothing;
     2. they pair: what rank q sends rank p (q's input_split_sizes[p]) is what p expects from q
-       (p's output_split_sizes[q]); each rank's splits sum to its tensors' rows; the rows agree;
+       (p's output_split_sizes[q]); each rank's splits, one per rank of the group, sum to its
+       tensors' rows; the rows agree;
     3. every tensor is contiguous, on the rank's device.
 
 `A2ARecorder` records on one rank; with `post_rows=False` it posts only the integer all-to-alls
@@ -83,13 +84,20 @@ def a2a_errors(per_rank: list[list[dict]]) -> list[str]:
                 if not (t["contiguous"] and t["on_device"]):
                     errors.append(f"rule 3: rank {rank}, all-to-all #{i} ({r['phase']}): its {side}put is "
                                   f"{'not contiguous' if not t['contiguous'] else 'on ' + t['device']}")
-                if sum(r[f"{side}_splits"]) != t["rows"]:
+                if len(r[f"{side}_splits"]) != len(r["group"]):
+                    errors.append(f"rule 2: rank {rank}, all-to-all #{i} ({r['phase']}): {side}put splits "
+                                  f"{r[f'{side}_splits']}: {len(r[f'{side}_splits'])} splits for a group of "
+                                  f"{len(r['group'])}, one per rank")
+                elif sum(r[f"{side}_splits"]) != t["rows"]:
                     errors.append(f"rule 2: rank {rank}, all-to-all #{i} ({r['phase']}): {side}put splits "
                                   f"{r[f'{side}_splits']} sum to {sum(r[f'{side}_splits'])}, its tensor has "
                                   f"{t['rows']} rows")
     for group in sorted({r["group"] for records in per_rank for r in records}):
         seqs = {q: [r for r in per_rank[q] if r["group"] == group] for q in group}
         keys = {q: [(r["phase"], r["in"]["dtype"]) for r in seq] for q, seq in seqs.items()}
+        if any(len(r[f"{side}_splits"]) != len(group) for seq in seqs.values() for r in seq
+               for side in ("in", "out")):
+            continue  # named above; the splits cannot be paired
         if any(keys[q] != keys[group[0]] for q in group):
             counts = ", ".join(f"rank {q}: {len(keys[q])}" for q in group)
             errors.append(f"rule 1: group {list(group)} posts different all-to-alls ({counts}): every rank "

@@ -42,20 +42,29 @@ def _last_ops(trace_dir: str, world: int, ranks: Sequence[int] | None = None) ->
             else f"rank {r}: posted no collective or send/recv" for r in ranks]
 
 
-def _diverging(traces: list[list[str]], world: int) -> str | None:
-    """The first collective on the whole group that the ranks posted differently (another op or
-    size), or None when each rank's collectives are a prefix of the others'. Sends and receives,
-    all_to_all_single (its splits may differ) and collectives on subgroups differ by design."""
-    def whole(line: str) -> bool:
-        return line.split("(")[0] not in (*P2P, "all_to_all_single") and all(
-            int(n) == world for n in re.findall(r"group of (\d+)", line))
+def _communicator(line: str, world: int) -> tuple[int, ...] | None:
+    """The global ranks a traced collective runs on: the group it names ("group of 2 [2, 3]"),
+    else the world; None for sends, receives and all_to_all_single (their sizes differ by design)."""
+    if line.split("(")[0] in (*P2P, "all_to_all_single"):
+        return None
+    named = re.search(r"group of \d+ \[([\d, ]+)\]", line)
+    return tuple(int(r) for r in named[1].split(", ")) if named else tuple(range(world))
 
-    ops = [[line for line in lines if whole(line)] for lines in traces]
-    for k in range(max(map(len, ops), default=0)):
-        posted = {rank: mine[k] for rank, mine in enumerate(ops) if k < len(mine)}
-        if len(set(posted.values())) > 1:
-            return f"collective {k + 1} differs: " + ", ".join(f"rank {r} posted {op}"
-                                                                for r, op in posted.items())
+
+def _diverging(traces: list[list[str]], world: int) -> str | None:
+    """The first collective that the ranks of one group (the world first, then each subgroup)
+    posted differently (another op or size), or None when on every group each rank's collectives
+    are a prefix of the others'."""
+    groups = {key for lines in traces for line in lines if (key := _communicator(line, world))}
+    for group in sorted(groups, key=lambda g: (len(g) != world, g)):
+        ops = {r: [line for line in traces[r] if _communicator(line, world) == group]
+               for r in group if r < len(traces)}
+        for k in range(max(map(len, ops.values()), default=0)):
+            posted = {rank: mine[k] for rank, mine in ops.items() if k < len(mine)}
+            if len(set(posted.values())) > 1:
+                on = "" if len(group) == world else f" on the group of ranks {list(group)}"
+                return f"collective {k + 1}{on} differs: " + ", ".join(f"rank {r} posted {op}"
+                                                                       for r, op in posted.items())
     return None
 
 

@@ -62,7 +62,7 @@ def _describe(args: tuple, kwargs: dict) -> str:
         elif isinstance(a, int) and not isinstance(a, bool):
             parts.append(str(a))
         elif isinstance(a, dist.ProcessGroup):
-            parts.append(f"group of {dist.get_world_size(a)}")
+            parts.append(f"group of {dist.get_world_size(a)} {dist.get_process_group_ranks(a)}")
     return ", ".join(parts)
 
 
