@@ -26,7 +26,9 @@ from common.reference import make_optimizer, make_reference
 TITLE = "bucketed DDP"
 CFG = get_config("tiny", n_layers=2)
 BATCH, SEQ, LR, CAP_MB = 6, 8, 1e-2, 0.01  # 0.01 MiB: the tiny model's gradients make several buckets
-CAPS = (0.0, 4096.0, 40_000.0, float("inf"))
+_LAST = list(build_model(CFG, dtype=torch.float64, device="meta").parameters())[::-1]
+EXACT = float(sum(p.numel() * p.element_size() for p in _LAST[:3]))  # a running size: fits, no cut
+CAPS = (0.0, 4096.0, EXACT, 40_000.0, float("inf"))
 
 
 # --- on every rank -------------------------------------------------------------------------------
@@ -78,8 +80,9 @@ def train(lab, world: int, steps: int = 1, optimizer: str = "sgd", micro: int = 
 # --- the checks, in the grader's process ---------------------------------------------------------
 
 def check_layouts(runs) -> Fail | str:
-    """assign_buckets at caps 0, 4 KB, 40 KB and ∞: the parameters in reverse order, a new bucket
-    when the next parameter would pass the cap (one larger than the cap alone)."""
+    """assign_buckets at caps 0, 4 KB, exactly the last three parameters' bytes, 40 KB and ∞: the
+    parameters in reverse order, a new bucket when the next parameter would pass the cap (one
+    larger than the cap alone); a bucket that reaches the cap exactly is full, not over."""
     from data_parallel import assign_buckets  # the chapter's own
 
     got = runs[0].ranks[0]
@@ -93,6 +96,9 @@ def check_layouts(runs) -> Fail | str:
             hint = "forward order: backward produces the last layer's gradients first, so reverse the list"
         elif sorted(flat) != sorted(expected):
             hint = "every parameter must be in exactly one bucket"
+        elif cap == EXACT and len(got[cap][0]) < 3 <= len(buckets[0]):
+            hint = (f"the last three parameters fill {cap:g} B exactly, the cap: a bucket that reaches the "
+                    "cap is full, not over it. Cut when the size would pass the cap (>), not reach it (>=)")
         else:
             hint = ("cut when adding the next parameter would pass the cap (not after it passed); "
                     "a parameter larger than the cap gets a bucket of its own")

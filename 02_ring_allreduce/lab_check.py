@@ -22,7 +22,7 @@ import torch.distributed.distributed_c10d as c10d
 from common.kernel.model import build_model, get_config, loss_fn
 from common.kernel.p2p_plan import P2PRecorder
 from common.kernel.patch import patch_dist
-from common.labs.diagnosis import explain, first_difference, uneven_pattern
+from common.labs.diagnosis import amount_hint, explain, first_difference, uneven_pattern
 from common.labs.grader import Fail, Property
 from common.labs.rank import at
 from common.labs.tools import group_of, local_rows, one_device, split, where
@@ -227,7 +227,9 @@ def check_ring_bytes(runs) -> Fail | str:
                 if row["sent"] == 0:
                     return Fail(detail, "no bytes went through dist.batch_isend_irecv: build the ring from "
                                         "P2POps and dist.batch_isend_irecv, not from torch's collectives")
-                return Fail(detail, f"the ring ({phase.replace('_', '-')}) sends one chunk per step, n-1 "
+                amount = amount_hint(row["sent"], want[0], "bytes sent")
+                return Fail(detail, (amount + ". " if amount else "") +
+                            f"the ring ({phase.replace('_', '-')}) sends one chunk per step, n-1 "
                                     "steps per phase: every chunk but one, once per phase. More means "
                                     "whole tensors, or a chunk sent twice")
     return f"rank r sent (n-1)/n·S per phase: {ring_bytes(phase, 4, 12, 0)[0]} B of S = 96 B at n = 4"

@@ -56,8 +56,13 @@ def train(lab, world: int, steps: int = 1, optimizer: str = "adamw", clip: float
     model = build_model(CFG, seed=0, dtype=torch.float64)
     kwargs = {"lr": LR, "foreach": False} | ({"weight_decay": 0.1} if optimizer == "adamw" else {})
     inner = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
+    at(phase="Zero1 over a bfloat16 model")
+    half = lab.Zero1(build_model(CFG, seed=0, dtype=torch.bfloat16).parameters(), inner, group=g.group,
+                     **kwargs)
+    at(phase="Zero1.__init__")
     zero = lab.Zero1(model.parameters(), inner, group=g.group, **kwargs)
-    out: dict = {"master0": _clone(zero.master), "grads": [], "norms": [], "clipped": [], "params": [],
+    out: dict = {"master0": _clone(zero.master), "bf16_master": getattr(half.master, "dtype", None),
+                 "grads": [], "norms": [], "clipped": [], "params": [],
                  "kept": [], "ops": [], "full": []}
     for step in range(steps):
         ((inputs, targets),) = local_rows(step, g.rank, g.size, BATCH, CFG, SEQ)
@@ -113,9 +118,13 @@ def check_owner_slices(runs) -> Fail | str:
 
 def check_master(runs) -> Fail | str:
     """Before the first step each rank's master is its slice of the flat initial parameters, in the
-    master dtype (float64 here), s elements."""
+    master dtype (float64 here), s elements; over a bfloat16 model the master is float32."""
     for run in runs:
         for size, outs, label in _groups(run):
+            if (dtype := outs[0]["bf16_master"]) != torch.float32:
+                return Fail(f"{label}: Zero1 over a bfloat16 model keeps a {dtype} master",
+                            "the master copy is float32 at least (master_dtype = promote_types(the "
+                            "parameters' dtype, float32)): AdamW on bfloat16 values loses the small updates")
             if problem := master_error([o["master0"] for o in outs], size, label):
                 return Fail(*problem)
     return "every rank's master is its slice of the initial parameters"

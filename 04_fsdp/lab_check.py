@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from common.kernel.model import RMSNorm, build_model, get_config, loss_fn, rope_cos_sin
-from common.labs.diagnosis import explain, first_difference, steps_pattern
+from common.labs.diagnosis import explain, first_difference, near, steps_pattern
 from common.labs.grader import Fail, Property
 from common.labs.rank import at
 from common.labs.tools import collectives, local_rows, members, one_device, split
@@ -43,14 +43,17 @@ def shards(lab, world: int) -> dict:
         at(phase=f"ShardedUnit({name})")
         unit = lab.ShardedUnit(module)
         shard = getattr(unit, "shard", None)
-        mine[name] = {"shard": shard.detach().clone() if isinstance(shard, torch.Tensor) else None,
-                      "parameters": [n for n, _ in unit.named_parameters()]}
+        own = isinstance(shard, torch.Tensor)
+        mine[name] = {"shard": shard.detach().clone() if own else None,
+                      "parameters": [n for n, _ in unit.named_parameters()],
+                      "storage": shard.untyped_storage().nbytes() if own else 0}
     return mine
 
 
 def check_shards(runs) -> Fail | str:
     """Rank r keeps, as its only parameter `shard`, flat[r·S:(r+1)·S] of the unit's parameters
-    flattened and zero-padded to N·S, S = ⌈P/N⌉ (P = 9, 7 and 13,376 on 2 and 3 ranks)."""
+    flattened and zero-padded to N·S, S = ⌈P/N⌉ (P = 9, 7 and 13,376 on 2 and 3 ranks), in a
+    storage of its own: S elements, not a view of the whole flat buffer."""
     failures, cases = [], []
     for run in runs:
         for case, module in _shard_cases().items():
@@ -116,9 +119,11 @@ def check_life(runs) -> Fail | str:
 
 # --- 3. training equals one device -------------------------------------------------------------
 
-def train(lab, world: int, steps: int = 1, optimizer: str = "sgd", groups: list[int] | None = None) -> dict:
+def train(lab, world: int, steps: int = 1, optimizer: str = "sgd", groups: list[int] | None = None,
+          backwards: int = 1) -> dict:
     """The tiny LLaMA with each of UNITS a ShardedUnit over this rank's group, on its slice of each
-    global batch: this rank's gradient and parameter shards and collectives, each step."""
+    global batch: this rank's gradient and parameter shards and collectives, each step. With
+    `backwards` = 2 the same batch runs forward and backward twice: shard.grad must be their sum."""
     g, model = split(groups), build_model(CFG, seed=0, dtype=torch.float64)
     units = {name: lab.ShardedUnit(model.get_submodule(name), g.group) for name in UNITS}
     for name, unit in units.items():
@@ -133,12 +138,13 @@ def train(lab, world: int, steps: int = 1, optimizer: str = "sgd", groups: list[
 
     for step in range(steps):
         ((inputs, targets),) = local_rows(step, g.rank, g.size, BATCH, CFG, SEQ)
-        with collectives() as forward:
-            at(step=step + 1, phase="forward")
-            loss = loss_fn(model(inputs), targets)
-        with collectives() as backward:
-            at(phase="backward")
-            loss.backward()
+        for _ in range(backwards):
+            with collectives() as forward:
+                at(step=step + 1, phase="forward")
+                loss = loss_fn(model(inputs), targets)
+            with collectives() as backward:
+                at(phase="backward")
+                loss.backward()
         out["grads"].append(held())
         out["events"].append((forward, backward))
         opt.step()
@@ -152,6 +158,8 @@ def _compare(runs) -> Fail | None:
     failing, passing, first = [], [], None
     for run in runs:
         want, steps = _want(run).grads, run.config.get("steps", 1)
+        if (times := run.config.get("backwards", 1)) > 1:  # backward twice on one batch: the sum
+            want = [{n: g * times for n, g in grads.items()} for grads in want]
         for ranks in members(run.config):
             n, found = len(ranks), None
             for k in range(steps):
@@ -166,8 +174,12 @@ def _compare(runs) -> Fail | None:
                         offset, size = starts[finding.name]
                         worst = int((got[finding.name] - want[k][finding.name]).abs().reshape(-1).argmax())
                         whose = f"; the largest difference is in rank {ranks[(offset + worst) // size]}'s"
-                    found = Fail(f"{where}: grad of {finding}{whose}",
-                                 steps_pattern([k], steps) or explain(finding, n), step=k)
+                    hint = steps_pattern([k], steps) or explain(finding, n)
+                    if times > 1 and near(finding.scale, 1 / times):
+                        hint = (f"half the sum after {times} backwards on one batch: shard.grad was "
+                                "overwritten, not accumulated (add the reduced shard to shard.grad when "
+                                "it is not None, as autograd does with p.grad)")
+                    found = Fail(f"{where}: grad of {finding}{whose}", hint, step=k)
                 if found:
                     break
             (failing if found else passing).append(n)
@@ -234,6 +246,8 @@ PROPERTIES = [
              [{"world": 2}, {"world": 3}, {"world": 3, "groups": [2, 1]}], train, [check_grads]),
     Property("three AdamW steps equal one device (2 and 3 ranks)",
              [{"world": w, "steps": 3, "optimizer": "adamw"} for w in (2, 3)], train, [check_grads]),
+    Property("two backwards before a step: shard.grad accumulates (2 ranks)",
+             [{"world": 2, "backwards": 2}], train, [check_grads]),
     Property("a step posts 2 all-gathers and 1 reduce-scatter per unit",
              [{"world": 2, "steps": 2}], train, [check_collectives], after=("one SGD step",)),
 ]

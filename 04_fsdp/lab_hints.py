@@ -64,6 +64,10 @@ def shard_error(got: dict, flat: torch.Tensor, p: int, rank: int, world: int) ->
         hint = PAD_HINT if shard.numel() in (p // world, p - (world - 1) * s) else "a 1-D shard, ⌈P/N⌉ long"
         return f"shard of shape {list(shard.shape)}, expected [{s}] = [⌈P/N⌉] (P = {p:,})", hint
     if torch.equal(shard, flat[rank * s : (rank + 1) * s]):
+        if (storage := got.get("storage", 0)) > s * shard.element_size():
+            return (f"the shard lives in a storage of {storage:,} bytes, its S = {s} elements take "
+                    f"{s * shard.element_size():,}", "a view of the whole flat buffer (right values, no "
+                    "memory saved): clone the slice, so the shard has a storage of its own of S elements")
         return None
     for other in range(world):
         if torch.equal(shard, flat[other * s : (other + 1) * s]):

@@ -84,7 +84,8 @@ def _run_layer(layer, x: torch.Tensor, upstream: torch.Tensor, shape: tuple) -> 
     """The layer's weight and bias; if every rank's weight has `shape`, its output and the
     gradients (all ranks go on, or none: a rank-asymmetric shape would hang the others)."""
     seen = {"weight": layer.weight.detach().clone(),
-            "bias": None if layer.bias is None else layer.bias.detach().clone()}
+            "bias": None if layer.bias is None else layer.bias.detach().clone(),
+            "storage": layer.weight.untyped_storage().nbytes()}
     if not agree(tuple(layer.weight.shape) == shape):
         return seen
     x.requires_grad_()
@@ -137,7 +138,8 @@ def _cases(runs, kind: str):
 
 def check_weights(runs) -> Fail | str:
     """Every rank holds its slice of the full linear's weight ([out/t, in] column, [out, in/t] row)
-    and bias (sliced for a column layer, whole for a row layer), checked on every rank first."""
+    in a storage of its own (1/t of the memory, not a view of the full weight) and the bias
+    (sliced for a column layer, whole for a row layer), checked on every rank first."""
     kind = runs[0].config["kind"]
     for tp, q, gather, got, label in _cases(runs, kind):
         if bad := h.weight_error(got, h.linear_case(tp, q % tp, kind, gather)[0], tp, q % tp, kind):

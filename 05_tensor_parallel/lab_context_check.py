@@ -17,6 +17,7 @@ import math
 import torch
 
 from common.kernel.p2p_plan import P2PRecorder
+from common.kernel.patch import patch_dist
 from common.labs.diagnosis import close, first_difference
 from common.labs.grader import Fail, Property
 from common.labs.rank import at
@@ -60,18 +61,34 @@ def ring(lab, world: int, groups: list[int] | None = None) -> dict:
     blocks it computed (attend_block counted) and the bytes it sent."""
     g = split(groups)
     q, k, v = (_shard(t, g.size, g.rank) for t in _qkv(g.size))
-    blocks, attend = [], lab.attend_block
+    blocks, events, attend = [], [], lab.attend_block
 
     def counted(q, k, v, mode):
         blocks.append(mode)
+        events.append("attend")
         return attend(q, k, v, mode)
 
+    class Waited:  # a posted transfer's handle: its wait() is an event too
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self, *args, **kwargs):
+            events.append("wait")
+            return self.work.wait(*args, **kwargs)
+
+    def posting(batch):
+        def post(ops):
+            events.append("post")
+            works = batch(ops)
+            return None if works is None else [Waited(w) for w in works]
+        return post
+
     lab.attend_block = counted
-    with P2PRecorder() as recorder:
+    with P2PRecorder() as recorder, patch_dist({"batch_isend_irecv": posting}):
         at(phase=f"ring_attention on a ring of {g.size}")
         out, lse = lab.ring_attention(q, k, v, g.group)
     sent = sum(op.nbytes for gs in recorder.groups.values() for grp in gs for op in grp if op.kind == "send")
-    return {"out": out, "lse": lse, "blocks": blocks, "sent": sent}
+    return {"out": out, "lse": lse, "blocks": blocks, "sent": sent, "events": events}
 
 
 def ring_plan(lab, world: int, groups: list[int] | None = None) -> None:
@@ -179,6 +196,30 @@ def check_ring_bytes(runs) -> Fail | str:
     return "cp − 1 K/V transfers per rank"
 
 
+def check_overlap(runs) -> Fail | str:
+    """What the ring is for, in time: each step posts its K/V transfer, then attends, then waits,
+    so the transfer runs under the blocks' compute (the order of posts, attend_block calls and
+    wait()s, recorded)."""
+    for run in runs:
+        for rank, got in enumerate(run.ranks):
+            since, order = None, " ".join(got["events"])
+            for event in got["events"]:
+                if event == "post":
+                    since = 0
+                elif event == "attend" and since is not None:
+                    since += 1
+                elif event == "wait" and since == 0:
+                    return Fail(f"{where(run.config, rank)}: waited on a transfer before attending to any "
+                                f"block after posting it (posts, attends, waits in order: {order[:160]})",
+                                "the ring waits before it attends: nothing overlaps the transfer. Post the "
+                                "next step's batch_isend_irecv, attend to the K/V you hold, then wait()")
+            if got["events"].count("post") and not got["events"].count("wait"):
+                return Fail(f"{where(run.config, rank)}: posted {got['events'].count('post')} transfers, "
+                            "never waited", "wait() on every handle batch_isend_irecv returns before "
+                            "reading the buffer it receives into (a missed wait() reads it half written)")
+    return "every transfer posted, then blocks attended, then waited (the K/V moves under compute)"
+
+
 PROPERTIES = [
     Property("the zig-zag shard and the block masks", [{"world": 1}], layouts, [check_layout]),
     Property("merge: the log-sum-exp rule, exact (large scores, an empty set)", [{"world": 1}], merges,
@@ -186,5 +227,5 @@ PROPERTIES = [
     Property("NCCL order: the ring's sends and receives replay without deadlock", RINGS, ring_plan,
              plan=True),
     Property("ring_attention equals causal attention on one device (2, 3, 4 ranks; groups of 2)", RINGS, ring,
-             [check_ring, check_work, check_ring_bytes], after=("merge", "zig-zag")),
+             [check_ring, check_work, check_ring_bytes, check_overlap], after=("merge", "zig-zag")),
 ]

@@ -145,6 +145,10 @@ def weight_error(got: dict, want: dict, t: int, r: int, kind: str) -> tuple[str,
         hint = (f"rank {r} holds rank {other}'s slice: rank r's starts at r·n/t" if other is not None
                 else "the weight is not this rank's slice of the full weight")
         return str(first_difference({"weight": w}, {"weight": want["weight"]})), hint
+    if (storage := got.get("storage", 0)) > w.numel() * w.element_size():
+        return (f"the weight slice lives in a storage of {storage:,} bytes, its {w.numel():,} elements take "
+                f"{w.numel() * w.element_size():,}", "a view of the full weight (right values, no memory "
+                "saved): clone the slice, so each rank's weight has a storage of its own, 1/t of the full")
     if close(got["bias"], want["bias"]):
         return None
     if kind == "row":

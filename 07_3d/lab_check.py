@@ -210,7 +210,8 @@ def check_norms(runs) -> Fail | str:
             if abs(norms[0] - ref) > 1e-10 * ref:
                 return Fail(f"{_name(mesh)}, step {s + 1}: global norm {norms[0]:.10g} on every rank, one "
                             f"device {ref:.10g} ({norms[0] / ref - 1:+.2g})",
-                            norm_hint(norms[0] ** 2, ref**2, want.grads[s], ranks, mesh["clip"]), step=s)
+                            norm_hint(norms[0] ** 2, ref**2, want.grads[s], ranks, mesh["clip"],
+                                      mesh.get("v", 1)), step=s)
     return "the norm on every rank as torch's clip_grad_norm_"
 
 
@@ -263,9 +264,11 @@ PROPERTIES = [
                    {"dp": 2, "pp": 2, "seed": 1}), holdings, [check_holdings]),
     Property("two SGD steps equal one device (pp2×tp2, dp2×pp2 interleaved)",
              _each({"pp": 2, "tp": 2}, {"dp": 2, "pp": 2, "v": 2}), train, TRAIN),
-    Property("clip_global_norm equals torch's clip on one device (dp2×tp2, pp2×tp2)",
+    Property("clip_global_norm equals torch's clip on one device (dp2×tp2, pp2×tp2, dp2×pp2 v2)",
              _each({"dp": 2, "tp": 2, "clip": CLIPS, "steps": 1},
-                   {"pp": 2, "tp": 2, "clip": MAX_NORM, "steps": 1}), train, CLIPPED, after=("parallelize",)),
+                   {"pp": 2, "tp": 2, "clip": MAX_NORM, "steps": 1},
+                   {"dp": 2, "pp": 2, "v": 2, "clip": CLIPS, "steps": 1}), train, CLIPPED,
+             after=("parallelize",)),
     Property("with context parallelism: cp2×tp2, two clipped steps", _each({"cp": 2, "tp": 2, "clip": CLIPS}),
              train, CLIPPED, after=("clip_global_norm",)),
 ]

@@ -103,7 +103,7 @@ CP_HINT = ("with cp > 1 each rank holds 2 of the 2·cp zig-zag chunks of every r
 
 
 def norm_hint(got_sq: float, want_sq: float, grads: dict[str, torch.Tensor], ranks: list[dict],
-              max_norm: float) -> str:
+              max_norm: float, v: int = 1) -> str:
     """What a wrong ‖g‖² is made of: the norm after clipping, the TP copies counted on every TP
     rank (all of them, or only the shared K/V heads, or only the whole tensors), or a whole
     multiple."""
@@ -126,6 +126,10 @@ def norm_hint(got_sq: float, want_sq: float, grads: dict[str, torch.Tensor], ran
             return (f"TP copies counted on every TP rank: ‖g‖² exceeds one device's by exactly {kinds} "
                     f"counted again on each copy ({len(counted)} tensors with tp_specs[name].copies > 1"
                     f"{kv}). Count such a piece on one rank of its copies: tp_specs[name].counted_here")
+    if got_sq < want_sq and v > 1:
+        return (f"‖g‖ too small with {v} virtual stages: a rank holds {v} chunks (one per virtual stage), "
+                "and the norm counted some of them only, or each chunk was clipped by its own norm. Sum "
+                "the squares over every chunk of `chunks` first, then one all_reduce, one coefficient")
     if got_sq < want_sq:
         return ("‖g‖ too small: some pieces are counted nowhere. FSDP shards are disjoint (all count), a "
                 "TP-split piece is this rank's own (counts); only copies (tp_specs[name].copies > 1) "

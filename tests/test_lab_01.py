@@ -41,6 +41,9 @@ BUGS = {
                                "one backward", "fail", "ranks [0] are right, rank 1 is not", "check_grads"),
     "forward order": Bug([("    for p in reversed(params):", "    for p in params:")],
                          "assign_buckets", "fail", "forward order", "check_layouts"),
+    "a cut at a bucket that reaches the cap exactly": Bug(
+        [("size + nbytes > cap_bytes", "size + nbytes >= cap_bytes")], "assign_buckets", "fail",
+        "not reach it (>=)", "check_layouts"),
     "state not reset": Bug([("        self.works = [None] * len(self.buckets)\n        self.queued = False",
                              "        self.works = [None] * len(self.buckets)")],
                            "three AdamW", "fail", "right at step 1, wrong after", "check_grads"),

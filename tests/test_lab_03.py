@@ -36,6 +36,9 @@ BUGS = {
     "rank counted from 1": Bug(
         [(MASTER, "        self.master = flat.view(self.world, -1)[self.rank - 1].clone()")],
         "AdamW steps", "fail", "shard offset off by one slice", "check_master"),
+    "a bf16 master for bf16 parameters": Bug(
+        [("torch.promote_types(self.params[0].dtype, torch.float32)", "self.params[0].dtype")],
+        "AdamW steps", "fail", "keeps a torch.bfloat16 master", "check_master"),
     "padding left out": Bug([("    s = -(-numel // world)", "    s = numel // world")],
                             "owner's slice", "fail", "padding", "check_owner_slices"),
     "master a view of a whole copy": Bug([(MASTER, MASTER.removesuffix(".clone()"))],

@@ -47,6 +47,12 @@ BUGS = {
                                       "fail", "after backward, full still holds", "check_life"),
     "full.grad kept across steps": Bug([("grad, full.grad = full.grad, None", "grad = full.grad")],
                                        "three AdamW", "fail", "right at step 1, wrong after", "check_grads"),
+    "the shard a view of the whole flat buffer": Bug(
+        [("flat[start : start + self.shard_numel].clone()", "flat[start : start + self.shard_numel]")],
+        "the shard", "fail", "a view of the whole flat buffer", "check_shards"),
+    "shard.grad overwritten, not accumulated": Bug(
+        [(ACCUMULATE, "        self.shard.grad = out\n")], "two backwards", "fail",
+        "overwritten, not accumulated", "check_grads"),
     "ReduceOp.AVG": Bug([("dist.ReduceOp.SUM", "dist.ReduceOp.AVG"), (DIVIDE, "")],
                         "2 all-gathers", "fail", "reduce-scatter with ReduceOp.AVG", "check_collectives"),
 }

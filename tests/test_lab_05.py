@@ -39,6 +39,9 @@ ROW_CHECK = "        if linear.in_features % t:\n            raise ValueError("
 MAPPED = "ColumnParallelLinear(mlp.{0}, group, input_is_mapped=True)"
 LSE = "    lse = torch.logaddexp(lse1, lse2)\n"
 BUGS = {
+    "the row weight a view of the full weight": Bug(
+        [("linear.weight.detach()[:, cols].clone()", "linear.weight.detach()[:, cols]")],
+        "RowParallelLinear", "fail", "a view of the full weight", "check_weights"),
     "f's backward without its all-reduce": Bug(
         [(F_REDUCE, "")], "f and g", "fail", "f's backward must all-reduce", "check_fg"),
     "an error of 1e-8": Bug([(F_REDUCE, F_REDUCE + "        grad *= 1 + 1e-8\n")], "f and g", "fail",

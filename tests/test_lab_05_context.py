@@ -56,6 +56,11 @@ BUGS = {
         [("        if step < n - 1:\n            arriving", "        if True:\n            arriving"),
          ("        if step < n - 1:\n            for work", "        if True:\n            for work")],
         "ring_attention", "fail", "not the last step's (nobody uses it)", "check_ring_bytes"),
+    "waits before it attends": Bug(
+        [(POST, POST + "            for work in works:\n                work.wait()\n"),
+         ("            for work in works:\n                work.wait()\n            kv, source",
+          "            kv, source")],
+        "ring_attention", "fail", "the ring waits before it attends", "check_overlap"),
 }
 
 

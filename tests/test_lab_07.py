@@ -38,7 +38,12 @@ WRAP_THEN_TP = """    wrapped = [FSDP(chunk, process_group=mesh.dp_cp_group, dev
     return wrapped, tp_specs
 """
 COEF = "    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)\n"
+PER_CHUNK = ("def clip_global_norm(chunks, tp_specs, mesh, max_norm):\n"
+             "    return [_clip([c], tp_specs, mesh, max_norm) for c in chunks][-1]\n\n\ndef _clip(")
 BUGS = {
+    "clipped per virtual stage": Bug(
+        [("def clip_global_norm(", PER_CHUNK)], "clip_global_norm", "fail", "with 2 virtual stages",
+        "check_norms"),
     "TP copies counted on every TP rank": Bug(
         [(COUNTED, "                if True:")], "clip_global_norm", "fail",
         "TP copies counted on every TP rank", "check_norms"),

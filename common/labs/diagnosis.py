@@ -4,6 +4,8 @@ A strategy bug moves whole tensors, and the way it moves them names the bug:
 
     got ≈ n · want            a missing 1/n: the gradients were summed, never averaged
     got ≈ want / n            divided twice
+    got ≈ 2 · want, want / 2  counted twice; one of two contributions lost (overwritten, not summed)
+    rel ≈ the dtype's eps     rounding, not logic (another order of a sum, a lower precision)
     got = 0, want ≠ 0         the tensor's hook never fired, or its bucket was never reduced
     right at step 1 only      state left over from the previous step (ready flags, buffers)
     right unless n ∤ length   uneven chunks: the last rank's piece is shorter (worlds_pattern,
@@ -29,6 +31,12 @@ import torch
 from common.reference import relative_diff
 
 TOLERANCE = 1e-10
+ROUNDING = 64  # a relative difference within 64 ulps of the result's dtype is rounding, not logic
+TWICE = ("twice as much ({what}, 2× the expected): counted twice — reduced or sent twice, accumulated on "
+         "top of the last step's (not zeroed), or a whole copy kept beside the shard")
+HALF = ("half as much ({what}, ½ the expected): one of two contributions lost — a gradient overwritten "
+        "instead of accumulated (p.grad = g, not +=), one of two micro-batches or directions dropped, or "
+        "divided by 2 once too often")
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,7 @@ class Finding:
     zero: bool  # got is all zeros while want is not
     missing: bool = False  # got has no such tensor (or None)
     extra: bool = False  # got has a tensor the reference has not
+    eps: float | None = None  # the machine epsilon of got's dtype (floating point only)
 
     def __str__(self) -> str:
         if self.missing:
@@ -67,7 +76,8 @@ def measure(name: str, got: torch.Tensor, want: torch.Tensor, tolerance: float =
         return None
     norm = float((w * w).sum())
     scale = float((g * w).sum()) / norm if norm > 0 else None
-    return Finding(name, rel, scale, bool(g.abs().max() == 0 and w.abs().max() > 0))
+    eps = torch.finfo(got.dtype).eps if got.dtype.is_floating_point else None
+    return Finding(name, rel, scale, bool(g.abs().max() == 0 and w.abs().max() > 0), eps=eps)
 
 
 def first_difference(got: dict[str, torch.Tensor | None], want: dict[str, torch.Tensor],
@@ -128,20 +138,39 @@ def explain(finding: Finding, world: int, what: str = "gradients") -> str:
                 "then divide by the world size (never ReduceOp.AVG: gloo on older torch ignores it)")
     if world > 1 and near(finding.scale, 1 / world):
         return f"{what} {world}× too small at world {world}: divided twice, or divided before an average"
-    if world > 1 and near(finding.scale, 2.0):
-        return f"{what} 2× too large: counted twice (reduced twice, or accumulated on top of the last step)"
+    if near(finding.scale, 2.0):
+        return TWICE.format(what=what)
+    if near(finding.scale, 0.5):
+        return HALF.format(what=what)
+    if finding.eps is not None and finding.rel <= ROUNDING * finding.eps:
+        return (f"{what} off by {finding.rel:.1g} (relative), a few ulps of the result's dtype (eps "
+                f"{finding.eps:.1g}): rounding, not logic — the same math summed in another order; the "
+                "reference computes in float64: so must you (no float32 or bfloat16 on the way)")
     if finding.rel < 1e-6:
         return (f"{what} off by {finding.rel:.1g} (relative): a constant slightly off (an epsilon, a "
                 "scale), or a sum in another order in lower precision; the labs compare at 1e-10")
     return (f"right scale, wrong values: pieces from the wrong rank or offset, a buffer reused "
-            f"before its copy landed, or {what} read before the reduction finished")
+            f"before its copy landed, or {what} read before the reduction finished (a missed wait(): "
+            "async_op=True, isend, irecv and batch_isend_irecv return at once; wait() on each handle "
+            "before reading or reusing its buffer)")
+
+
+def amount_hint(got: float, want: float, what: str = "bytes") -> str:
+    """A hint for a count (bytes sent, elements kept) that is twice or half the expected, or ''."""
+    if want and near(got / want, 2.0):
+        return TWICE.format(what=what)
+    if want and near(got / want, 0.5):
+        return HALF.format(what=what)
+    return ""
 
 
 def steps_pattern(failing_steps: list[int], steps: int) -> str:
     """A hint from which steps failed (0-based): only after the first → leftover state."""
     if failing_steps and 0 not in failing_steps and steps > 1:
-        return ("right at step 1, wrong after: state left over from the previous step (ready "
-                "flags, counters, buffers not zeroed, a pending handle) — reset it when a step ends")
+        return ("right at step 1, wrong after: step 1 was right, so the step's math is; suspect state "
+                "kept across steps: the optimizer state (rebuilt, reset or never built), gradients "
+                "accumulated onto the last step's or overwritten, a buffer, ready flag or counter not "
+                "reset, a pending handle — reset what belongs to a step when it ends, keep the rest")
     return ""
 
 
