@@ -98,6 +98,7 @@ def _destroy_subgroups() -> None:
         if group is not dist.group.WORLD:
             dist.destroy_process_group(group)
     gc.collect()
+    gc.freeze()  # what survived (the modules the call imported) out of the next call's collections
 
 
 class RankPool:

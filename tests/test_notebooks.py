@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import nbformat
 import pytest
 
@@ -28,7 +30,21 @@ def test_lesson_notebook_is_committed_with_its_outputs(notebook):
     assert not errors, f"a committed cell failed: {errors[0].get('ename')}: {errors[0].get('evalue')}"
 
 
+@pytest.fixture(scope="module")
+def executions(request, closed_pools) -> dict:
+    """The selected notebooks' runs, two at a time from the first test on: one notebook alone
+    leaves a core idle about half its time (its kernel's start-up and plots, its ranks' own
+    start-up), so two side by side take ~0.6x the time of one after the other (01 and 04: 21.6 s
+    against 36.3 s). Each run still times itself, now beside another: a stricter two minutes."""
+    wanted = {item.callspec.params["notebook"] for item in request.session.items
+              if item.originalname == "test_lesson_notebook_runs_on_cpu_in_under_two_minutes"}
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="notebook")
+    runs: dict[object, Future] = {nb: pool.submit(execute, nb, 120) for nb in NOTEBOOKS if nb in wanted}
+    yield runs
+    pool.shutdown(cancel_futures=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("notebook", NOTEBOOKS, ids=IDS)
-def test_lesson_notebook_runs_on_cpu_in_under_two_minutes(notebook):
-    assert execute(notebook, timeout_s=120) < 120
+def test_lesson_notebook_runs_on_cpu_in_under_two_minutes(notebook, executions):
+    assert executions[notebook].result() < 120
