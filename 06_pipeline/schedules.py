@@ -21,7 +21,9 @@ which `simulator.py` reproduces by running the lists below against their data de
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 
 
 @dataclass(frozen=True, order=True)
@@ -149,12 +151,82 @@ def zero_bubble_h1(p: int, m: int) -> Schedule:
     return Schedule("zb", p, m, 1, True, tuple(actions))
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+def _none(p: int, m: int, v: int) -> str | None:
+    return None
+
+
+def _interleaved_error(p: int, m: int, v: int) -> str | None:
+    if m % p:
+        return (f"--microbatches {m} with --schedule interleaved on {p} stages: Megatron's order walks "
+                f"micro-batches in groups of p, use a multiple of {p} (e.g. {p * max(1, round(m / p))})")
+    return None
+
+
+def _zb_error(p: int, m: int, v: int) -> str | None:
+    if m < p:
+        return (f"--microbatches {m} < {p} stages with --schedule zb: ZB-H1 needs m >= p to fill the "
+                f"bubbles with W, use --microbatches {p} or more")
+    return None
+
+
+def _interleaved_in_flight(p: int, m: int, v: int, r: int) -> Fraction:
+    """Megatron's warm-up forwards plus the one in flight, in chunks of 1/v of a stage (all m·v
+    when m = p: no steady state)."""
+    chunks = m * v if m == p else min(m * v, 2 * (p - r - 1) + (v - 1) * p + 1)
+    return Fraction(chunks, v)
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """Everything the course knows about one schedule, in one place: the simulator, the
+    validation, the figures, the bench and chapter 07's memory model read it (a new schedule is
+    one entry of SCHEDULES). Closed forms use the simulator's unit costs."""
+
+    build: Callable[[int, int, int], Schedule]  # (p, m, v) -> the action lists
+    label: str  # its name in figures; "{v}" is filled in
+    bubble: Callable[[int, int, int], Fraction]  # (p, m, v) -> idle / total rank-time
+    formula: str  # the bubble's formula as text; "{v}" is filled in
+    in_flight: Callable[[int, int, int, int], Fraction]  # (p, m, v, rank) -> peak held, in whole stages
+    error: Callable[[int, int, int], str | None] = _none  # (p, m, v) -> why not, beyond p, m, v >= 1
+    default_v: int = 1  # model chunks per rank when --virtual-stages is not given
+    free_v: bool = False  # True: any --virtual-stages; False: exactly default_v
+    split_backward: bool = False  # B is the input gradient only, W the weight gradient
+    color: str = "#999999"  # its colour in figures
+
+    def title(self, v: int) -> str:
+        return self.label.format(v=v)
+
+    def formula_text(self, v: int) -> str:
+        return self.formula.format(v=v)
+
+
+# Builders are looked up by name when called (a test or a figure check may replace one).
+SCHEDULES: dict[str, ScheduleSpec] = {
+    "gpipe": ScheduleSpec(
+        build=lambda p, m, v: gpipe(p, m), label="GPipe",
+        bubble=lambda p, m, v: Fraction(p - 1, m + p - 1), formula="(p-1)/(m+p-1)",
+        in_flight=lambda p, m, v, r: Fraction(m), color="#0072B2"),
+    "1f1b": ScheduleSpec(
+        build=lambda p, m, v: one_f_one_b(p, m), label="1F1B",
+        bubble=lambda p, m, v: Fraction(p - 1, m + p - 1), formula="(p-1)/(m+p-1)",
+        in_flight=lambda p, m, v, r: Fraction(min(m, p - r)), color="#56B4E9"),
+    "interleaved": ScheduleSpec(
+        build=lambda p, m, v: interleaved_1f1b(p, m, v), label="interleaved 1F1B, v = {v}",
+        bubble=lambda p, m, v: Fraction(p - 1, v * m + p - 1), formula="(p-1)/(v·m+p-1), v={v}",
+        in_flight=_interleaved_in_flight, error=_interleaved_error, default_v=2, free_v=True,
+        color="#E69F00"),
+    "zb": ScheduleSpec(
+        build=lambda p, m, v: zero_bubble_h1(p, m), label="ZB-H1",
+        bubble=lambda p, m, v: Fraction(p - 1, 3 * m + p - 1), formula="(p-1)/(3m+p-1)",
+        in_flight=lambda p, m, v, r: Fraction(min(m, p)), error=_zb_error, split_backward=True,
+        color="#009E73"),
+}
 
 
 def virtual_stages(name: str, v: int | None = None) -> int:
-    """Model chunks per rank: `v` if given, else 2 for interleaved (the fewest that interleave), else 1."""
-    return v if v is not None else (2 if name == "interleaved" else 1)
+    """Model chunks per rank: `v` if given, else the schedule's default (interleaved: 2, the
+    fewest that interleave; else 1)."""
+    return v if v is not None else (SCHEDULES[name].default_v if name in SCHEDULES else 1)
 
 
 def schedule_error(name: str, p: int, m: int, v: int = 1) -> str | None:
@@ -163,27 +235,18 @@ def schedule_error(name: str, p: int, m: int, v: int = 1) -> str | None:
         return f"--schedule {name!r} is unknown: use one of {', '.join(SCHEDULES)}"
     if p < 1 or m < 1 or v < 1:
         return f"stages {p}, --microbatches {m}, --virtual-stages {v}: all must be >= 1"
-    if v > 1 and name != "interleaved":
-        return f"--virtual-stages {v} with --schedule {name}: only 'interleaved' has virtual stages"
-    if name == "interleaved" and m % p:
-        return (f"--microbatches {m} with --schedule interleaved on {p} stages: Megatron's order walks "
-                f"micro-batches in groups of p, use a multiple of {p} (e.g. {p * max(1, round(m / p))})")
-    if name == "zb" and m < p:
-        return (f"--microbatches {m} < {p} stages with --schedule zb: ZB-H1 needs m >= p to fill the "
-                f"bubbles with W, use --microbatches {p} or more")
-    return None
+    spec = SCHEDULES[name]
+    if not spec.free_v and v != spec.default_v:
+        free = " or ".join(repr(n) for n, s in SCHEDULES.items() if s.free_v)
+        fixed = f" ({name} holds exactly {spec.default_v} stages per rank)" if spec.default_v > 1 else ""
+        return f"--virtual-stages {v} with --schedule {name}: only {free} has virtual stages{fixed}"
+    return spec.error(p, m, v)
 
 
 def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
     if (error := schedule_error(name, p, m, v)) is not None:
         raise ValueError(error)
-    if name == "gpipe":
-        return gpipe(p, m)
-    if name == "1f1b":
-        return one_f_one_b(p, m)
-    if name == "interleaved":
-        return interleaved_1f1b(p, m, v)
-    return zero_bubble_h1(p, m)
+    return SCHEDULES[name].build(p, m, v)
 
 
 def messages(schedule: Schedule, rank: int) -> tuple[list[Message], list[Message]]:

@@ -51,7 +51,7 @@ BUDGET_S: dict[str, tuple[tuple[str, ...], float]] = {
     "03 ZeRO": (("test_zero*.py",), 35),
     "04 FSDP": (("test_fsdp*.py",), 30),
     "05 tensor parallel": (("test_tensor_parallel*.py", "test_context_parallel*.py"), 35),
-    "06 pipeline": (("test_pipeline*.py", "test_p2p_plan.py"), 42),
+    "06 pipeline": (("test_pipeline*.py", "test_p2p_plan.py", "test_schedule_registry.py"), 42),
     "07 3D": (("test_3d*.py", "test_parallel3d*.py"), 115),
     "checkpoints": (("test_checkpoint*.py",), 55),
     "notebooks (lessons, exercises)": (("test_notebooks.py", "test_exercises.py", "test_lessons.py",

@@ -10,7 +10,7 @@ import time
 from collections import Counter
 from dataclasses import replace
 from fractions import Fraction
-from itertools import pairwise
+from itertools import count, pairwise
 from unittest import mock
 
 import pytest
@@ -28,7 +28,15 @@ from common.training import train
 from pipeline import train as pp_train
 from pipeline.backward_split import backward_input, backward_weight
 from pipeline.executor import PipelineExecutor
-from pipeline.schedules import Action, Schedule, make_schedule, messages, peak_in_flight, schedule_error
+from pipeline.schedules import (
+    SCHEDULES,
+    Action,
+    Schedule,
+    make_schedule,
+    messages,
+    peak_in_flight,
+    schedule_error,
+)
 from pipeline.simulator import DeadlockError, bubble_fraction, closed_form_bubble, simulate
 from pipeline.stage import split_model
 from pipeline.timeline import measured_bubble
@@ -47,17 +55,14 @@ from tests.harness import RankError, examples
 
 
 @st.composite
-def schedule_params(draw, names=("gpipe", "1f1b", "interleaved", "zb")):
+def schedule_params(draw, names=tuple(SCHEDULES)):
+    """Any schedule of the registry: p 1-8, v 1-4 where it is free, m the first admissible from a
+    draw in 1-32 (interleaved: the next multiple of p; zb: at least p)."""
     name = draw(st.sampled_from(names))
+    spec = SCHEDULES[name]
     p = draw(st.integers(1, 8))
-    v = draw(st.integers(1, 4)) if name == "interleaved" else 1
-    if name == "interleaved":
-        m = p * draw(st.integers(1, max(1, 32 // p)))
-    elif name == "zb":
-        m = draw(st.integers(p, 32))
-    else:
-        m = draw(st.integers(1, 32))
-    assert schedule_error(name, p, m, v) is None
+    v = draw(st.integers(1, 4)) if spec.free_v else spec.default_v
+    m = next(k for k in count(draw(st.integers(1, 32))) if schedule_error(name, p, k, v) is None)
     return make_schedule(name, p, m, v)
 
 

@@ -8,8 +8,10 @@ micro-batches of each it keeps in flight, and its idle time per step in closed f
 F, B, W: a micro-batch's forward, full backward (input and weight gradients) and weight-gradient
 chunk on one stage; F&B: a forward and a backward of two micro-batches run as one overlapped
 pair, each one's all-to-alls hidden under the other's compute. In flight, 1F1B holds
-min(m, p-r) micro-batches on stage r (interleaved: Megatron's warm-up count,
-`memory_model.in_flight_microbatches`); DualPipe holds p+1 at its peak on every rank, 2·(p/2)-h
+min(m, p-r) micro-batches on stage r (chapter 06's count, `memory_model.in_flight_microbatches`);
+interleaved, the frameworks' warm-up count min(m·v, 2(p-r-1) + (v-1)·p + 1) chunks of 1/v (torch's
+ScheduleInterleaved1F1B; Megatron's when m > p: at m = p Megatron, like chapter 06, runs every
+forward first and holds all m); DualPipe holds p+1 at its peak on every rank, 2·(p/2)-h
 of its own stage and h+1 of its mirror's (h = min(r, p-1-r): deepseek-ai/DualPipe's warm-up
 `step_1 + step_2`, then step 4's first forward), and needs m ≥ 2p, even.
 """
@@ -62,4 +64,6 @@ def in_flight(schedule: str, p: int, m: int, v: int, rank: int) -> dict[int, flo
     if schedule == "dualpipe":
         h = min(rank, p - 1 - rank)
         return {h: p - h, p - 1 - h: h + 1}
+    if v > 1:
+        return {rank: min(m * v, 2 * (p - rank - 1) + (v - 1) * p + 1) / v}
     return {rank: in_flight_microbatches(p, m, v, stage=rank)}
