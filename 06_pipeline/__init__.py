@@ -7,7 +7,8 @@ plan under NCCL's rules); the LLaMA split = stage.py + common/kernel/model.py.
     schedules.py   make_schedule(name, p, m, v=1) -> Schedule; SCHEDULES: {name: ScheduleSpec}
                    for "gpipe", "1f1b", "interleaved", "zb" (builder, default v, preconditions,
                    closed-form bubble and its text, figure label and colour, peak in-flight
-                   count, split backward: everything read per schedule). Schedule.actions[rank] is the ordered
+                   count, split backward: everything read per schedule; dualpipe.py adds
+                   "dualpipev"). Schedule.actions[rank] is the ordered
                    tuple of Action(kind "F"|"B"|"W", microbatch, chunk); rank r's chunk c is
                    virtual stage c·p + r. Schedule.recv/send(rank, action) -> Message | None say
                    what an action receives/sends; schedule_error(name, p, m, v) -> str | None is
@@ -49,6 +50,7 @@ plan under NCCL's rules); the LLaMA split = stage.py + common/kernel/model.py.
 against torch.distributed.pipelining (on gloo its schedules need torch >= 2.8: bench.py says why).
 """
 
+from . import dualpipe  # noqa: F401  (registers DualPipeV in SCHEDULES)
 from .executor import PipelineExecutor
 from .p2p import p2p_plan
 from .schedules import SCHEDULES, Action, Message, Schedule, ScheduleSpec, make_schedule, schedule_error

@@ -125,15 +125,16 @@ def bench_schedule(name: str, args: argparse.Namespace, ctx: DistContext, tokens
     v = 2 if name == "zb" and p > 1 else v_ours  # our zb is ZB-H1 (v = 1); torch's is interleaved
     if schedule_error(name, p, m, v_ours) or cfg.n_layers % (p * v):
         return None
-    ours_chunks = split_model(build_model(cfg, 0, torch.float32, ctx.device), p, v_ours, rank)
-    theirs_chunks = split_model(build_model(cfg, 0, torch.float32, ctx.device), p, v, rank)
     schedule = make_schedule(name, p, m, v_ours)
+    ours_chunks = split_model(build_model(cfg, 0, torch.float32, ctx.device), p, v_ours, rank,
+                              stages=schedule.stages(rank))
+    theirs_chunks = split_model(build_model(cfg, 0, torch.float32, ctx.device), p, v, rank)
     executor = PipelineExecutor(schedule, rank, ours_chunks, loss_fn,
                                 (args.micro_batch, args.seq_len, cfg.dim), torch.float32, ctx.device)
     micro_in, micro_tgt = (list(t.split(args.micro_batch)) for t in (tokens[:, :-1], tokens[:, 1:]))
     positions = torch.arange(args.seq_len, device=ctx.device)  # every micro-batch: 0 … s-1
     steps = {"ours": lambda _: executor.run(micro_in, micro_tgt, [positions] * m)}
-    try:
+    try:  # KeyError: no torch yardstick for this schedule
         theirs = torch_schedule(name, theirs_chunks, positions, p, m, ctx.device)
         steps["torch"] = lambda _: torch_step(theirs, theirs_chunks, tokens)
     except Exception as error:  # e.g. a schedule torch does not support for this layout

@@ -1,21 +1,27 @@
 """Pipeline schedules as data: (p, m[, v]) → for each rank, the ordered list of what it computes.
 
 An `Action` is F (forward), B (backward) or W (weight gradient) of one micro-batch on one of the
-rank's model chunks. Rank r's chunk c holds virtual stage s = c·p + r of the S = p·v stages
-(Megatron's interleaved layout; v = 1 is the plain pipeline, stage s = rank r). Activations flow
-s → s+1 and their gradients s+1 → s, always between neighbouring ranks (rank p-1's chunk c feeds
-rank 0's chunk c+1).
+rank's model chunks. A schedule's `placement` says which rank holds each of the S = p·v stages;
+rank r's chunk c is the c-th of its stages in model order. By default rank r's chunk c holds
+virtual stage s = c·p + r (Megatron's interleaved layout; v = 1 is the plain pipeline, stage s =
+rank r); DualPipeV's V puts stages r and 2p-1-r on rank r. Activations flow s → s+1 and their
+gradients s+1 → s, always between neighbouring ranks (interleaved: rank p-1's chunk c feeds rank
+0's chunk c+1; V: rank p-1 feeds itself at the turn).
 
     GPipe         F0 F1 … F(m-1)  B0 B1 … B(m-1)            holds m micro-batches' activations
     1F1B          (p-r-1) warm-up F, then F/B alternating, then the remaining B   holds ≤ p - r
     interleaved   Megatron's order over v chunks per rank (m divisible by p)       bubble ≈ / v
     ZB-H1         1F1B with B split into B (input grad, on the critical path) and W (weight
                   grad, deferred into the bubbles); activations freed after W: ≤ p per rank
+    DualPipeV     2p stages in a V, B/W split; forwards of one leg paired with backwards of the
+                  other (DeepSeek-V3's DualPipe cut in half, deepseek-ai/DualPipe's order)
 
 With unit costs the bubble fraction (idle / total rank-time) is
     GPipe, 1F1B:    (p-1) / (m + p - 1)         F = 1, B = 2 (any F:B ratio gives the same)
     interleaved:    (p-1) / (v·m + p - 1)       each chunk costs 1/v of a stage
     ZB-H1:          (p-1) / (3m + p - 1)        F = B = W = 1 (bubble (p-1)(F+B-W) per rank)
+    DualPipeV:      idle (PP/2-1)(F&B + B - 3W) per rank, PP = 2p stages (the DeepSeek-V3
+                    report's Table 2; B the full backward, F&B a forward and a backward paired)
 which `simulator.py` reproduces by running the lists below against their data dependencies.
 """
 
@@ -55,31 +61,43 @@ class Schedule:
     v: int  # model chunks (virtual stages) per rank
     split_backward: bool  # True: B is the input gradient only and W the weight gradient
     actions: tuple[tuple[Action, ...], ...]  # actions[rank], in execution order
+    placement: tuple[int, ...] = ()  # placement[s]: the rank holding stage s; (): s = c·p + r
+    # posts[rank]: the schedule's own grouping of its messages (p2p.py), () for p2p.py's rule:
+    # per group (actions in the segment after it, actions sent in it, actions received in it),
+    # and a last group (0, the remaining sends, ())
+    posts: tuple[tuple[tuple[int, tuple[Action, ...], tuple[Action, ...]], ...], ...] = ()
 
     @property
     def n_stages(self) -> int:
         return self.p * self.v
 
+    def rank_of(self, stage: int) -> int:
+        return self.placement[stage] if self.placement else stage % self.p
+
+    def stages(self, rank: int) -> tuple[int, ...]:
+        """The stages `rank` holds, chunk 0 first (in model order)."""
+        return tuple(s for s in range(self.n_stages) if self.rank_of(s) == rank)
+
     def stage(self, rank: int, chunk: int) -> int:
-        return chunk * self.p + rank
+        return self.stages(rank)[chunk] if self.placement else chunk * self.p + rank
 
     def recv(self, rank: int, action: Action) -> Message | None:
         """What `action` must receive before it runs: the input activation of an F on any stage
         but the first, the output gradient of a B on any stage but the last."""
         s = self.stage(rank, action.chunk)
         if action.kind == "F" and s > 0:
-            return Message("act", action.microbatch, s - 1, (s - 1) % self.p, rank)
+            return Message("act", action.microbatch, s - 1, self.rank_of(s - 1), rank)
         if action.kind == "B" and s < self.n_stages - 1:
-            return Message("grad", action.microbatch, s + 1, (s + 1) % self.p, rank)
+            return Message("grad", action.microbatch, s + 1, self.rank_of(s + 1), rank)
         return None
 
     def send(self, rank: int, action: Action) -> Message | None:
         """What `action` sends when it is done (the mirror image of `recv`)."""
         s = self.stage(rank, action.chunk)
         if action.kind == "F" and s < self.n_stages - 1:
-            return Message("act", action.microbatch, s, rank, (s + 1) % self.p)
+            return Message("act", action.microbatch, s, rank, self.rank_of(s + 1))
         if action.kind == "B" and s > 0:
-            return Message("grad", action.microbatch, s, rank, (s - 1) % self.p)
+            return Message("grad", action.microbatch, s, rank, self.rank_of(s - 1))
         return None
 
     def render(self) -> str:
@@ -192,6 +210,9 @@ class ScheduleSpec:
     free_v: bool = False  # True: any --virtual-stages; False: exactly default_v
     split_backward: bool = False  # B is the input gradient only, W the weight gradient
     color: str = "#999999"  # its colour in figures
+    drawn: bool = True  # in the lesson's figures of every schedule
+    placement: Callable[[int], tuple[int, ...]] | None = None  # p -> rank of each stage; None: c·p + r
+    paper_idle: Callable[[int, float, float, float, float], float] | None = None  # published idle
 
     def title(self, v: int) -> str:
         return self.label.format(v=v)
@@ -223,16 +244,26 @@ SCHEDULES: dict[str, ScheduleSpec] = {
 }
 
 
+def rank_stages(name: str, p: int, v: int, rank: int) -> tuple[int, ...]:
+    """The stages schedule `name` places on `rank`, chunk 0 first (before any schedule is built:
+    the model is split by it)."""
+    if (place := SCHEDULES[name].placement) is not None:
+        return tuple(s for s, r in enumerate(place(p)) if r == rank)
+    return tuple(c * p + rank for c in range(v))
+
+
 def virtual_stages(name: str, v: int | None = None) -> int:
     """Model chunks per rank: `v` if given, else the schedule's default (interleaved: 2, the
     fewest that interleave; else 1)."""
     return v if v is not None else (SCHEDULES[name].default_v if name in SCHEDULES else 1)
 
 
-def schedule_error(name: str, p: int, m: int, v: int = 1) -> str | None:
-    """Why (name, p, m, v) has no schedule, as a message naming the flag and the fix (or None)."""
+def schedule_error(name: str, p: int, m: int, v: int | None = None) -> str | None:
+    """Why (name, p, m, v) has no schedule, as a message naming the flag and the fix (or None).
+    v None: the schedule's default."""
     if name not in SCHEDULES:
         return f"--schedule {name!r} is unknown: use one of {', '.join(SCHEDULES)}"
+    v = virtual_stages(name, v)
     if p < 1 or m < 1 or v < 1:
         return f"stages {p}, --microbatches {m}, --virtual-stages {v}: all must be >= 1"
     spec = SCHEDULES[name]
@@ -243,10 +274,11 @@ def schedule_error(name: str, p: int, m: int, v: int = 1) -> str | None:
     return spec.error(p, m, v)
 
 
-def make_schedule(name: str, p: int, m: int, v: int = 1) -> Schedule:
+def make_schedule(name: str, p: int, m: int, v: int | None = None) -> Schedule:
+    """Schedule `name` for p ranks, m micro-batches, v chunks per rank (None: its default)."""
     if (error := schedule_error(name, p, m, v)) is not None:
         raise ValueError(error)
-    return SCHEDULES[name].build(p, m, v)
+    return SCHEDULES[name].build(p, m, virtual_stages(name, v))
 
 
 def messages(schedule: Schedule, rank: int) -> tuple[list[Message], list[Message]]:

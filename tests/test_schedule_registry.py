@@ -10,7 +10,14 @@ from fractions import Fraction
 import pytest
 
 from pipeline.figures import lesson as figures
-from pipeline.schedules import SCHEDULES, ScheduleSpec, make_schedule, peak_in_flight, schedule_error
+from pipeline.schedules import (
+    SCHEDULES,
+    ScheduleSpec,
+    make_schedule,
+    peak_in_flight,
+    rank_stages,
+    schedule_error,
+)
 from pipeline.simulator import bubble_formula, closed_form_bubble, simulate
 from pipeline.simulator import bubble_fraction as simulated_bubble
 
@@ -35,6 +42,7 @@ def test_each_entry_agrees_with_the_schedule_it_builds(name):
     for p, m, v in shapes:
         schedule = make_schedule(name, p, m, v)
         assert schedule.split_backward == spec.split_backward, (p, m, v)
+        assert all(schedule.stages(r) == rank_stages(name, p, v, r) for r in range(p)), (p, m, v)
         for r in range(p):
             held = Fraction(peak_in_flight(schedule, r), schedule.v)
             assert held == spec.in_flight(p, m, v, r), (p, m, v, r)

@@ -23,9 +23,10 @@ from pipeline.simulator import bubble_fraction, closed_form_bubble, simulate
 
 
 def lesson_schedules(v: int) -> list[tuple[str, int, str]]:
-    """(name, virtual stages, title) of every schedule in the registry, in its order; a schedule
-    whose chunks per rank are free is drawn with `v`."""
-    return [(name, v if spec.free_v else spec.default_v, spec.title(v)) for name, spec in SCHEDULES.items()]
+    """(name, virtual stages, title) of every schedule the registry draws, in its order; a
+    schedule whose chunks per rank are free is drawn with `v`."""
+    return [(name, v if spec.free_v else spec.default_v, spec.title(v))
+            for name, spec in SCHEDULES.items() if spec.drawn]
 
 
 KIND = {"F": "#56B4E9", "B": "#E69F00", "W": "#009E73"}  # forward, backward (B: input grad), weight grad
