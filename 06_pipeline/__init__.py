@@ -4,8 +4,11 @@ The core files import only torch and the common kernel (copy them out): the sche
 executor = common/copy_sets.py's set (README.md's "Copy it"; + common/kernel/p2p_plan.py to replay a
 plan under NCCL's rules); the LLaMA split = stage.py + common/kernel/model.py.
 
-    schedules.py   make_schedule(name, p, m, v=1) -> Schedule; name in SCHEDULES =
-                   ("gpipe", "1f1b", "interleaved", "zb"). Schedule.actions[rank] is the ordered
+    schedules.py   make_schedule(name, p, m, v=1) -> Schedule; SCHEDULES: {name: ScheduleSpec}
+                   for "gpipe", "1f1b", "interleaved", "zb" (builder, default v, preconditions,
+                   closed-form bubble and its text, figure label and colour, peak in-flight
+                   count, split backward: everything read per schedule; dualpipe.py adds
+                   "dualpipev"). Schedule.actions[rank] is the ordered
                    tuple of Action(kind "F"|"B"|"W", microbatch, chunk); rank r's chunk c is
                    virtual stage c·p + r. Schedule.recv/send(rank, action) -> Message | None say
                    what an action receives/sends; schedule_error(name, p, m, v) -> str | None is
@@ -47,15 +50,17 @@ plan under NCCL's rules); the LLaMA split = stage.py + common/kernel/model.py.
 against torch.distributed.pipelining (on gloo its schedules need torch >= 2.8: bench.py says why).
 """
 
+from . import dualpipe  # noqa: F401  (registers DualPipeV in SCHEDULES)
 from .executor import PipelineExecutor
 from .p2p import p2p_plan
-from .schedules import SCHEDULES, Action, Message, Schedule, make_schedule, schedule_error
+from .schedules import SCHEDULES, Action, Message, Schedule, ScheduleSpec, make_schedule, schedule_error
 from .simulator import bubble_formula, closed_form_bubble, simulate
 from .stage import LlamaChunk, layer_partition, partition_error, split_model
 from .timeline import Interval, measured_bubble, render_text, save_png
 
 __all__ = [
     "SCHEDULES", "Action", "Interval", "LlamaChunk", "Message", "PipelineExecutor", "Schedule",
-    "bubble_formula", "closed_form_bubble", "layer_partition", "make_schedule", "measured_bubble",
-    "p2p_plan", "partition_error", "render_text", "save_png", "schedule_error", "simulate", "split_model",
+    "ScheduleSpec", "bubble_formula", "closed_form_bubble", "layer_partition", "make_schedule",
+    "measured_bubble", "p2p_plan", "partition_error", "render_text", "save_png", "schedule_error",
+    "simulate", "split_model",
 ]

@@ -40,7 +40,7 @@ from common import bench as harness
 from common.dist import DistContext, pick_backend
 from common.kernel.model import build_model, get_config, loss_fn
 from pipeline.executor import PipelineExecutor
-from pipeline.schedules import make_schedule, schedule_error
+from pipeline.schedules import SCHEDULES, make_schedule, schedule_error
 from pipeline.simulator import bubble_fraction, simulate
 from pipeline.stage import LlamaChunk, split_model
 from pipeline.timeline import measured_bubble, save_png, shift
@@ -89,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=4, help="timed steps per implementation (after 1 warm-up)")
-    p.add_argument("--schedules", default="gpipe,1f1b,interleaved,zb")
+    p.add_argument("--schedules", default=",".join(TORCH_SCHEDULES))
     p.add_argument("--png", default=str(Path(__file__).with_name("timelines.png")))
     return p.parse_args(argv)
 
@@ -120,19 +120,21 @@ def bench_schedule(name: str, args: argparse.Namespace, ctx: DistContext, tokens
     implementations timed side by side, our measured bubble, the simulated one, torch's estimate.
     Returning frees torch's PipelineStage and schedule, which hold the process group."""
     p, rank, m, cfg = ctx.world_size, ctx.rank, args.microbatches, get_config(args.model)
-    v = 2 if name in ("interleaved", "zb") and p > 1 else 1
-    v_ours = v if name == "interleaved" else 1  # our zb is ZB-H1 (v = 1); torch's is interleaved
+    spec = SCHEDULES[name]
+    v_ours = 1 if p == 1 and spec.free_v else spec.default_v
+    v = 2 if name == "zb" and p > 1 else v_ours  # our zb is ZB-H1 (v = 1); torch's is interleaved
     if schedule_error(name, p, m, v_ours) or cfg.n_layers % (p * v):
         return None
-    ours_chunks = split_model(build_model(cfg, 0, torch.float32, ctx.device), p, v_ours, rank)
-    theirs_chunks = split_model(build_model(cfg, 0, torch.float32, ctx.device), p, v, rank)
     schedule = make_schedule(name, p, m, v_ours)
+    ours_chunks = split_model(build_model(cfg, 0, torch.float32, ctx.device), p, v_ours, rank,
+                              stages=schedule.stages(rank))
+    theirs_chunks = split_model(build_model(cfg, 0, torch.float32, ctx.device), p, v, rank)
     executor = PipelineExecutor(schedule, rank, ours_chunks, loss_fn,
                                 (args.micro_batch, args.seq_len, cfg.dim), torch.float32, ctx.device)
     micro_in, micro_tgt = (list(t.split(args.micro_batch)) for t in (tokens[:, :-1], tokens[:, 1:]))
     positions = torch.arange(args.seq_len, device=ctx.device)  # every micro-batch: 0 … s-1
     steps = {"ours": lambda _: executor.run(micro_in, micro_tgt, [positions] * m)}
-    try:
+    try:  # KeyError: no torch yardstick for this schedule
         theirs = torch_schedule(name, theirs_chunks, positions, p, m, ctx.device)
         steps["torch"] = lambda _: torch_step(theirs, theirs_chunks, tokens)
     except Exception as error:  # e.g. a schedule torch does not support for this layout

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from itertools import count
 
 from common.exercise import attempt
-from pipeline.schedules import make_schedule
+from pipeline.schedules import make_schedule, schedule_error
 from pipeline.simulator import bubble_fraction, closed_form_bubble, simulate
 
 
@@ -26,7 +27,7 @@ def check_min_microbatches(min_microbatches: Callable) -> bool:
             for target in (0.10, 0.05):
                 m = min_microbatches(p, target, v)
                 name = "1f1b" if v == 1 else "interleaved"
-                runnable = m if v == 1 else math.ceil(m / p) * p  # interleaved needs m % p == 0
+                runnable = next(k for k in count(m) if schedule_error(name, p, k, v) is None)
                 at_m = float(closed_form_bubble(name, p, m, v))
                 if v == 1:
                     at_m = float(bubble_fraction(simulate(make_schedule(name, p, runnable, v)), p))

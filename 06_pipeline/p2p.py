@@ -34,6 +34,7 @@ steady-state configurations deadlock) as its negative control.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 from .schedules import Action, Message, Schedule
 
@@ -53,8 +54,14 @@ def pairs_forward_with_backward(schedule: Schedule) -> bool:
 
 
 def segments(schedule: Schedule, rank: int) -> list[tuple[Action, ...]]:
-    """Rank `rank`'s actions cut into the segments of the module docstring."""
+    """Rank `rank`'s actions cut into the segments of the module docstring (or of the
+    schedule's own `posts`)."""
     actions, pair = schedule.actions[rank], pairs_forward_with_backward(schedule)
+    if schedule.posts:
+        bounds = [0]
+        for n, _, _ in schedule.posts[rank][:-1]:
+            bounds.append(bounds[-1] + n)
+        return [actions[a:b] for a, b in pairwise(bounds)]
     out: list[list[Action]] = []
     i = 0
     while i < len(actions):
@@ -70,7 +77,14 @@ def segments(schedule: Schedule, rank: int) -> list[tuple[Action, ...]]:
 
 def exchanges(schedule: Schedule, rank: int) -> list[Exchange]:
     """The group posted before each segment of `segments(schedule, rank)`, and one after the
-    last: len(segments) + 1 Exchanges (some empty), messages to itself left out."""
+    last: len(segments) + 1 Exchanges (some empty), messages to itself left out. A schedule
+    with its own `posts` (DualPipeV: inputs received a unit early, outputs sent a unit late,
+    as deepseek-ai/DualPipe posts them) gives them here."""
+    if schedule.posts:
+        return [Exchange(
+            tuple(m for a in sent if (m := schedule.send(rank, a)) is not None and m.dst != rank),
+            tuple(m for a in got if (m := schedule.recv(rank, a)) is not None and m.src != rank))
+            for _, sent, got in schedule.posts[rank]]
     out, sends = [], ()
     for segment in segments(schedule, rank):
         recvs = tuple(m for a in segment if (m := schedule.recv(rank, a)) is not None and m.src != rank)

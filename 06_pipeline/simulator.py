@@ -8,7 +8,7 @@ unit costs and free communication.
 
 Costs: F = 1, B = 2 for schedules with a whole backward; F = B = W = 1 for zero-bubble; a chunk
 of an interleaved schedule costs 1/v of a stage. The bubble fraction of a timeline is
-1 - Σ busy / (p · makespan); `closed_form_bubble` gives the formulas of schedules.py, which the
+1 - Σ busy / (p · makespan); `closed_form_bubble` gives the closed form of each SCHEDULES entry, which the
 tests check against these simulations. If some rank can never start its next action the lists
 deadlock, and `simulate` says where.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from .schedules import Action, Schedule
+from .schedules import SCHEDULES, Action, Schedule
 from .timeline import Interval
 
 UNIT_COSTS = {"F": Fraction(1), "B": Fraction(2), "W": Fraction(0)}
@@ -85,16 +85,11 @@ def bubble_fraction(intervals: list[Interval], p: int | None = None) -> float:
 
 
 def closed_form_bubble(name: str, p: int, m: int, v: int = 1) -> Fraction:
-    """The bubble fraction of schedules.py's formulas, exact."""
-    if name in ("gpipe", "1f1b"):
-        return Fraction(p - 1, m + p - 1)
-    if name == "interleaved":
-        return Fraction(p - 1, v * m + p - 1)
-    if name == "zb":
-        return Fraction(p - 1, 3 * m + p - 1)
-    raise ValueError(f"no closed form for {name!r}")
+    """The bubble fraction of the schedule's closed form (its SCHEDULES entry), exact."""
+    if name not in SCHEDULES:
+        raise ValueError(f"no closed form for {name!r}")
+    return SCHEDULES[name].bubble(p, m, v)
 
 
 def bubble_formula(name: str, v: int = 1) -> str:
-    return {"gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)",
-            "interleaved": f"(p-1)/(v·m+p-1), v={v}", "zb": "(p-1)/(3m+p-1)"}[name]
+    return SCHEDULES[name].formula_text(v)

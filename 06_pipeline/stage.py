@@ -98,9 +98,11 @@ class LlamaChunk(nn.Module):
 
 
 def split_model(model: nn.Module, p: int, v: int, rank: int,
-                partition: Sequence[int] | None = None) -> list[LlamaChunk]:
+                partition: Sequence[int] | None = None,
+                stages: Sequence[int] | None = None) -> list[LlamaChunk]:
     """Rank `rank`'s chunks [stage rank, stage p + rank, …, stage (v-1)·p + rank] of common.kernel.model's
-    Llama (its cfg and its attributes tok_embeddings, layers, norm, output). The chunks share the
+    Llama (its cfg and its attributes tok_embeddings, layers, norm, output), or the `stages` its
+    schedule places on it (`Schedule.stages(rank)`, e.g. DualPipeV's r and 2p-1-r). The chunks share the
     model's modules; drop the model afterwards to free the other stages' layers (or split a model
     built on the meta device and materialize only the chunks: the other layers never exist)."""
     n_layers = len(model.layers)
@@ -109,8 +111,7 @@ def split_model(model: nn.Module, p: int, v: int, rank: int,
     S = p * v
     ranges = layer_partition(n_layers, S, partition)
     chunks = []
-    for c in range(v):
-        s = c * p + rank
+    for s in (stages if stages is not None else [c * p + rank for c in range(v)]):
         chunks.append(LlamaChunk(
             s, S, model.cfg, {str(i): model.layers[i] for i in ranges[s]},
             tok_embeddings=model.tok_embeddings if s == 0 else None,

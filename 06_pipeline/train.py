@@ -123,7 +123,7 @@ class PipelineStrategy(Strategy):
         # split the model on the meta device, then draw only this rank's layers onto its device
         meta = build_model(cfg, dtype=run.dtype, device="meta")
         partition = None if options.partition is None else list(options.partition)
-        self.chunks = split_model(meta, p, options.v, self.rank, partition)
+        self.chunks = split_model(meta, p, options.v, self.rank, partition, self.schedule.stages(self.rank))
         init = initializer(cfg, run.seed)
         for chunk in self.chunks:
             materialize(chunk, init, ctx.device)

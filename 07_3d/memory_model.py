@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from common.kernel.model import LlamaConfig
+from pipeline.schedules import SCHEDULES
 from tensor_parallel.formulas import Shape, layer_activation_terms, model_activation_terms
 
 GB = 1e9  # the article's (and vendors') gigabyte
@@ -215,15 +216,16 @@ def head_activation_bytes(cfg: LlamaConfig, tokens: int, seq_len: int, tp: int =
 
 def in_flight_microbatches(pp: int, microbatches: int, virtual_stages: int = 1,
                            schedule: str = "1f1b", stage: int = 0) -> float:
-    """Micro-batches whose activations stage `stage` holds at once: m (GPipe), min(m, p - i)
-    (1F1B), min(m·v, 2(p-i-1) + (v-1)·p + 1) chunks of 1/v of the stage (interleaved,
-    Megatron's warm-up count)."""
-    if schedule == "gpipe" or pp == 1:
-        return microbatches if pp > 1 else 1
-    if virtual_stages > 1:
-        chunks = 2 * (pp - stage - 1) + (virtual_stages - 1) * pp + 1
-        return min(microbatches * virtual_stages, chunks) / virtual_stages
-    return min(microbatches, pp - stage)
+    """Micro-batches whose activations pipeline rank `stage` holds at once: chapter 06's count
+    for the schedule (its SCHEDULES entry: m under GPipe, min(m, p - i) under 1F1B, Megatron's
+    warm-up count in chunks of 1/v of the stage under interleaving, …); "1f1b" with v > 1 is the
+    interleaved schedule. Without a pipeline, one micro-batch at a time."""
+    if pp == 1:
+        return 1
+    name = "interleaved" if schedule == "1f1b" and virtual_stages > 1 else schedule
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule {schedule!r}: chapter 06 knows {', '.join(SCHEDULES)}")
+    return float(SCHEDULES[name].in_flight(pp, microbatches, virtual_stages, stage))
 
 
 def local_tokens(layout: Layout, seq_len: int) -> int:
@@ -244,7 +246,8 @@ def activation_bytes(cfg: LlamaConfig, layout: Layout, seq_len: int, microbatche
     if stage == layout.pp - 1:
         one += head_activation_bytes(cfg, tokens, seq_len, layout.tp, layout.sequence_parallel,
                                      elem, layout.cp)
-    return one * in_flight_microbatches(layout.pp, microbatches, layout.virtual_stages, stage=stage)
+    return one * in_flight_microbatches(layout.pp, microbatches, layout.virtual_stages, layout.schedule,
+                                        stage)
 
 
 def recompute_transient_bytes(cfg: LlamaConfig, layout: Layout, seq_len: int, elem: int = 2,

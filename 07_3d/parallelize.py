@@ -39,7 +39,7 @@ from common.kernel.model import Llama, LlamaConfig, TransformerBlock, initialize
 from fsdp.fully_sharded import FullyShardedDataParallel
 from fsdp.wrap import HYBRID_STRATEGIES, MixedPrecision, ModuleWrapPolicy, ShardingStrategy
 from parallel3d.recompute import MODES, Recomputed, apply_recompute, unwrapped_name
-from pipeline.schedules import SCHEDULES, virtual_stages
+from pipeline.schedules import SCHEDULES, rank_stages, virtual_stages
 from pipeline.stage import LlamaChunk, split_model
 from tensor_parallel.context_layout import sequence_positions, shard_sequence
 from tensor_parallel.context_parallel import apply_context_parallel as context_parallel
@@ -94,8 +94,10 @@ def parallelize_3d(model: Llama, mesh: ParallelMesh, config: Parallel3DConfig, d
 
 
 def apply_pipeline_split(model: Llama, mesh: ParallelMesh, config: Parallel3DConfig) -> list[LlamaChunk]:
-    """06: this rank's stages pp_rank, pp + pp_rank, … of the S = pp·v."""
-    return split_model(model, mesh.pp, config.v, mesh.pp_rank)
+    """06: the stages the schedule places on this rank (pp_rank, pp + pp_rank, … of the S = pp·v;
+    DualPipeV: pp_rank and 2·pp - 1 - pp_rank)."""
+    return split_model(model, mesh.pp, config.v, mesh.pp_rank,
+                       stages=rank_stages(config.schedule, mesh.pp, config.v, mesh.pp_rank))
 
 
 def apply_context_parallel(chunks: list[LlamaChunk], group) -> None:

@@ -174,10 +174,10 @@ def validate(args: argparse.Namespace, world_size: int) -> Run:
     require((error := schedule_error(args.schedule, pp, layout.grad_accum, v)) is None,
             f"{error} (on a mesh dp {dp} × pp {pp} × cp {cp} × tp {tp})")
     require((error := partition_error(cfg.n_layers, pp, v)) is None, str(error))
-    require(args.schedule != "zb" or args.activation_checkpointing == "none",
-            f"--schedule zb with --activation-checkpointing {args.activation_checkpointing}: not "
-            "supported (W runs one autograd pass per weight GEMM, and each reruns the recomputed "
-            "block's forward: exact gradients for one more forward per weight); use "
+    require(not SCHEDULES[args.schedule].split_backward or args.activation_checkpointing == "none",
+            f"--schedule {args.schedule} with --activation-checkpointing {args.activation_checkpointing}: "
+            "not supported (its W runs one autograd pass per weight GEMM, and each reruns the "
+            "recomputed block's forward: exact gradients for one more forward per weight); use "
             "--activation-checkpointing none, or --schedule 1f1b")
     checkpoint = validate_checkpoint_flags(args, cfg)  # reads metadata only: no collective
     parallel = Parallel3DConfig(args.schedule, v, args.sequence_parallel, args.activation_checkpointing,

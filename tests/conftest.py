@@ -53,7 +53,7 @@ BUDGET_S: dict[str, tuple[tuple[str, ...], float]] = {
     "04 FSDP": (("test_fsdp*.py",), 15),
     "05 tensor parallel": (("test_tensor_parallel*.py", "test_context_parallel*.py", "test_sp_live_order.py"),
                            25),
-    "06 pipeline": (("test_pipeline*.py", "test_p2p_plan.py"), 30),
+    "06 pipeline": (("test_pipeline*.py", "test_p2p_plan.py", "test_schedule_registry.py"), 30),
     "07 3D": (("test_3d*.py", "test_parallel3d*.py", "test_bytes_recompute_experts.py"), 90),
     "checkpoints": (("test_checkpoint*.py",), 42),
     "notebooks (lessons, exercises)": (("test_notebooks.py", "test_exercises.py", "test_lessons.py",

@@ -10,7 +10,7 @@ import time
 from collections import Counter
 from dataclasses import replace
 from fractions import Fraction
-from itertools import pairwise
+from itertools import count, pairwise
 from unittest import mock
 
 import pytest
@@ -28,7 +28,15 @@ from common.training import train
 from pipeline import train as pp_train
 from pipeline.backward_split import backward_input, backward_weight
 from pipeline.executor import PipelineExecutor
-from pipeline.schedules import Action, Schedule, make_schedule, messages, peak_in_flight, schedule_error
+from pipeline.schedules import (
+    SCHEDULES,
+    Action,
+    Schedule,
+    make_schedule,
+    messages,
+    peak_in_flight,
+    schedule_error,
+)
 from pipeline.simulator import DeadlockError, bubble_fraction, closed_form_bubble, simulate
 from pipeline.stage import split_model
 from pipeline.timeline import measured_bubble
@@ -47,17 +55,14 @@ from tests.harness import RankError, examples
 
 
 @st.composite
-def schedule_params(draw, names=("gpipe", "1f1b", "interleaved", "zb")):
+def schedule_params(draw, names=tuple(SCHEDULES)):
+    """Any schedule of the registry: p 1-8, v 1-4 where it is free, m the first admissible from a
+    draw in 1-32 (interleaved: the next multiple of p; zb: at least p)."""
     name = draw(st.sampled_from(names))
+    spec = SCHEDULES[name]
     p = draw(st.integers(1, 8))
-    v = draw(st.integers(1, 4)) if name == "interleaved" else 1
-    if name == "interleaved":
-        m = p * draw(st.integers(1, max(1, 32 // p)))
-    elif name == "zb":
-        m = draw(st.integers(p, 32))
-    else:
-        m = draw(st.integers(1, 32))
-    assert schedule_error(name, p, m, v) is None
+    v = draw(st.integers(1, 4)) if spec.free_v else spec.default_v
+    m = next(k for k in count(draw(st.integers(1, 32))) if schedule_error(name, p, k, v) is None)
     return make_schedule(name, p, m, v)
 
 
@@ -155,10 +160,57 @@ def test_interleaving_divides_the_bubble_by_v():
     ("zb", 4, 2, 1, r"--microbatches 2 < 4 stages"),
     ("1f1b", 4, 8, 2, r"--virtual-stages 2 with --schedule 1f1b"),
     ("pipedream", 2, 4, 1, r"--schedule 'pipedream' is unknown"),
+    ("dualpipev", 2, 3, None, r"--microbatches 3 < 2·2 = 4 with --schedule dualpipev"),
+    ("dualpipev", 2, 4, 1, r"dualpipev holds exactly 2 stages per rank"),
 ])
 def test_impossible_schedules_are_refused_with_the_fix(name, p, m, v, message):
     with pytest.raises(ValueError, match=message):
         make_schedule(name, p, m, v)
+
+
+def test_dualpipev_runs_each_action_once_in_order_and_empties_its_weight_queue():
+    """p ∈ {2, 4}, every m from 2p to 4p: on the V (rank r holds stages r and 2p-1-r) each
+    (micro-batch, stage) has one F, B, W, each after its data (simulated without deadlock); every
+    W that does not follow its B at once leaves a first-in-first-out queue of deferred W's, which
+    is empty at the end; the P2P plan replays under NCCL's rules without deadlock."""
+    from common.kernel.p2p_plan import find_deadlock
+    from pipeline.p2p import p2p_plan
+
+    for p in (2, 4):
+        for m in range(2 * p, 4 * p + 1):
+            schedule = make_schedule("dualpipev", p, m)
+            assert [schedule.stages(r) for r in range(p)] == [(r, 2 * p - 1 - r) for r in range(p)]
+            seen = Counter((i.action.kind, i.action.microbatch, schedule.stage(i.rank, i.action.chunk))
+                           for i in simulate(schedule))
+            assert seen == Counter((k, mb, s) for k in "FBW" for mb in range(m) for s in range(2 * p))
+            for acts in schedule.actions:
+                queue = []
+                for prev, a in zip((None, *acts), acts, strict=False):
+                    own_w = prev and Action("W", prev.microbatch, prev.chunk)
+                    if prev is not None and prev.kind == "B" and a != own_w:
+                        queue.append(own_w)
+                    if a.kind == "W" and a != own_w:
+                        assert queue and queue.pop(0) == a, (p, m, a)
+                assert acts[-1].kind == "W" and not queue
+            assert find_deadlock(p2p_plan(schedule)) is None, (p, m)
+
+
+def test_dualpipev_simulated_idle_is_half_of_table_2_at_unit_costs():
+    """The registry's closed form (p-1)/(6m+p-1) is the simulated one; Table 2's idle
+    (PP/2-1)(F&B + B - 3W), PP = 2p, chunk costs F = B = W = 1/2 and F&B = F + B + W run back to
+    back, is p - 1 per rank; the simulated order idles (p-1)/2: the table is a bound here."""
+    from pipeline.schedules import SCHEDULES
+
+    spec = SCHEDULES["dualpipev"]
+    for p, m in [(2, 4), (3, 7), (4, 8)]:
+        intervals = simulate(make_schedule("dualpipev", p, m))
+        end = max(i.end for i in intervals)
+        idle = {end - sum(i.end - i.start for i in intervals if i.rank == r) for r in range(p)}
+        half = Fraction(1, 2)
+        assert idle == {Fraction(p - 1, 2)}
+        assert spec.paper_idle(2 * p, half, 2 * half, half, 3 * half) == 2 * Fraction(p - 1, 2)
+        assert bubble_fraction(intervals, p) == closed_form_bubble("dualpipev", p, m)
+        assert closed_form_bubble("dualpipev", p, m) == Fraction(p - 1, 6 * m + p - 1)
 
 
 # --- training through the shared loop: equal to one device ------------------------------------
@@ -229,6 +281,13 @@ class LossNotDividedStrategy(PipelineStrategy):
 
 NEGATIVE = TrainSpec(cfg=get_config("tiny", n_layers=2), world_size=2, dp=1, global_batch=4,
                      micro_batch=1, seq_len=6, steps=2)
+
+
+def test_dualpipev_equals_single_device_float64(pools):
+    """The V on 2 ranks (4 stages, 4 layers), m = 5: loss, gradients and parameters of two
+    steps equal one device at 1e-10."""
+    spec = replace(NEGATIVE, cfg=get_config("tiny", n_layers=4), global_batch=5)
+    check_strategy(pools, spec, pipeline_strategy, "dualpipev", 2)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

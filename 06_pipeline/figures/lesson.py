@@ -18,12 +18,17 @@ from matplotlib.patches import Patch
 from common.figures import Figure, Source, draw
 from common.kernel.p2p_plan import find_deadlock
 from pipeline import p2p, simulator
-from pipeline.schedules import make_schedule, peak_in_flight
+from pipeline.schedules import SCHEDULES, make_schedule, peak_in_flight
 from pipeline.simulator import bubble_fraction, closed_form_bubble, simulate
 
-# The chapter's four schedules: (name, virtual stages, title).
-SCHEDULES = (("gpipe", 1, "GPipe"), ("1f1b", 1, "1F1B"), ("interleaved", 2, "interleaved 1F1B, v = 2"),
-             ("zb", 1, "ZB-H1"))
+
+def lesson_schedules(v: int) -> list[tuple[str, int, str]]:
+    """(name, virtual stages, title) of every schedule the registry draws, in its order; a
+    schedule whose chunks per rank are free is drawn with `v`."""
+    return [(name, v if spec.free_v else spec.default_v, spec.title(v))
+            for name, spec in SCHEDULES.items() if spec.drawn]
+
+
 KIND = {"F": "#56B4E9", "B": "#E69F00", "W": "#009E73"}  # forward, backward (B: input grad), weight grad
 LIGHT = {"F": "#C6E6F7", "B": "#F6D9A3", "W": "#A6DCC8"}  # the same on a rank's second chunk
 
@@ -88,9 +93,8 @@ def microbatching_draw(data: dict):
 # --- the four schedules -------------------------------------------------------------------------
 
 def schedules_data(p: int = 4, m: int = 8, v: int = 2) -> dict:
-    return {"p": p, "m": m, "timelines": [
-        {**timeline_data(name, p, m, v if name == "interleaved" else 1),
-         "title": title.replace("v = 2", f"v = {v}")} for name, _, title in SCHEDULES]}
+    return {"p": p, "m": m, "timelines": [{**timeline_data(name, p, m, vv), "title": title}
+                                         for name, vv, title in lesson_schedules(v)]}
 
 
 def schedules_draw(data: dict):
@@ -117,25 +121,23 @@ def bubble_data(p: int = 4, m_max: int = 32, v: int = 2) -> dict:
     with the closed form of each point."""
     ms = list(range(p, m_max + 1, p))
     curves = []
-    for name, _, title in SCHEDULES:
-        vv = v if name == "interleaved" else 1
+    for name, vv, title in lesson_schedules(v):
         points = []
         for m in ms:
             sim = bubble_fraction(simulate(make_schedule(name, p, m, vv)), p)
             points.append([m, float(sim), float(closed_form_bubble(name, p, m, vv))])
-        curves.append({"name": name, "title": title.replace("v = 2", f"v = {v}"), "points": points})
+        curves.append({"name": name, "title": title, "points": points})
     return {"p": p, "v": v, "curves": curves}
 
 
 def bubble_draw(data: dict):
     fig, (a, b) = draw.figure(height=3.4, ncols=2)
     p = data["p"]
-    colors = {"gpipe": "#0072B2", "1f1b": "#56B4E9", "interleaved": "#E69F00", "zb": "#009E73"}
     for c in data["curves"]:
         ms = [q[0] for q in c["points"]]
         sim = [q[1] for q in c["points"]]
         closed = [q[2] for q in c["points"]]
-        style = {"color": colors[c["name"]], "label": c["title"]}
+        style = {"color": SCHEDULES[c["name"]].color, "label": c["title"]}
         marker = "s" if c["name"] == "gpipe" else "o"
         size = 7 if c["name"] == "gpipe" else 4
         a.plot(ms, closed, "-", lw=0.8, color=style["color"])
@@ -166,8 +168,7 @@ def memory_data(p: int = 4, m: int = 8, v: int = 2) -> dict:
     (+1 at a forward's start, −1 when the backward that frees them ends: B, or W when split), in
     whole stages (a chunk is 1/v of one), and `peak_in_flight` on every rank."""
     out = []
-    for name, _, title in SCHEDULES:
-        vv = v if name == "interleaved" else 1
+    for name, vv, title in lesson_schedules(v):
         schedule = make_schedule(name, p, m, vv)
         release = "W" if schedule.split_backward else "B"
         events = []
@@ -183,21 +184,22 @@ def memory_data(p: int = 4, m: int = 8, v: int = 2) -> dict:
         for t in sorted(change):
             live += Fraction(change[t], vv)
             steps.append([float(t), float(live)])
-        out.append({"name": name, "title": title.replace("v = 2", f"v = {v}"), "rank0": steps,
+        out.append({"name": name, "title": title, "rank0": steps,
                     "peak": [float(Fraction(peak_in_flight(schedule, r), vv)) for r in range(p)]})
     return {"p": p, "m": m, "schedules": out}
 
 
 def memory_draw(data: dict):
     fig, (a, b) = draw.figure(height=3.3, ncols=2, gridspec_kw={"width_ratios": [1.4, 1]})
-    colors = ("#0072B2", "#56B4E9", "#E69F00", "#009E73")
-    p = data["p"]
-    width = 0.8 / len(data["schedules"])
-    for k, (s, color) in enumerate(zip(data["schedules"], colors, strict=True)):
+    p, n = data["p"], len(data["schedules"])
+    width = 0.8 / n
+    for k, s in enumerate(data["schedules"]):
+        color = SCHEDULES[s["name"]].color
         xs = [q[0] for q in s["rank0"]]
         ys = [q[1] for q in s["rank0"]]
         a.step(xs, ys, where="post", color=color, lw=1.6 - 0.25 * k, label=s["title"])
-        b.bar([r + (k - 1.5) * width for r in range(p)], s["peak"], width, color=color, label=s["title"])
+        b.bar([r + (k - (n - 1) / 2) * width for r in range(p)], s["peak"], width, color=color,
+              label=s["title"])
     a.set(xlabel="time (a stage's forward = 1)", ylabel="stage activations held",
           title=f"rank 0 over one step (m = {data['m']})")
     b.set(xlabel="pipeline rank", ylabel="peak held", title="peak on each rank")
