@@ -217,3 +217,30 @@ def cp_model_activation_terms(x: Shape, cp: int, variant: str = "ring") -> dict[
     attention = cp_activation_bytes(x.b, x.s * cp, x.a // x.t, kv, x.head_dim, cp, x.e, variant)
     block = sum(v for k, v in layer.items() if k not in SDPA_TERMS) + attention
     return model_activation_terms(x) | {"blocks": x.L * block}
+
+
+# --- Ulysses (ulysses.py) ------------------------------------------------------------------------
+#
+# Two even all-to-alls forward (q, k, v packed out; the output back), their adjoints backward (dout
+# out; dq, dk, dv back), each sending (cp-1)/cp of its input; H, H_kv the heads this rank holds,
+# H_kv' = max(H_kv, cp) after the repeat:  (cp-1)/cp · b·(s/cp)·d·(2H + 2H_kv')·e  each way.
+# Hybrid (u × r): the all-to-alls over u, then the ring over r on H/u, H_kv'/u heads of s tokens.
+
+
+def ulysses_comm_bytes(b: int, s: int, heads: int, kv_heads: int, head_dim: int, cp: int,
+                       e: int) -> dict[str, float]:
+    """Wire bytes one rank sends for one attention layer's forward + backward under Ulysses."""
+    if cp == 1:
+        return {}
+    one_way = (cp - 1) / cp * b * (s // cp) * head_dim * (2 * heads + 2 * max(kv_heads, cp)) * e
+    return {"forward q, k, v out + output back": one_way, "backward dout out + dq, dk, dv back": one_way}
+
+
+def hybrid_comm_bytes(b: int, s: int, heads: int, kv_heads: int, head_dim: int, ulysses: int,
+                      ring: int, e: int) -> dict[str, float]:
+    """Ulysses over `ulysses` ranks (s/ring tokens each all-to-all gathers) + the ring over `ring`
+    ranks on H/u query and H_kv'/u K/V heads: one layer, forward + backward, per rank."""
+    kv = max(kv_heads, ulysses)
+    inner = ulysses_comm_bytes(b, s // ring, heads, kv_heads, head_dim, ulysses, e)
+    outer = cp_comm_bytes(b, s, kv // ulysses, head_dim, ring, e)
+    return {f"ulysses {k}": v for k, v in inner.items()} | {f"ring {k}": v for k, v in outer.items()}
