@@ -76,6 +76,7 @@ HEADS = {2: [(2, 2), (4, 1), (4, 2), (8, 4)], 4: [(4, 4), (4, 1), (8, 2), (8, 8)
 
 
 @example(cp=4, heads_kv=1, causal=True, layout="zigzag", b=1, d=2, c=1, seed=0)
+@example(cp=4, heads_kv=2, causal=True, layout="contiguous", b=1, d=2, c=1, seed=2)
 @example(cp=2, heads_kv=3, causal=False, layout="contiguous", b=2, d=4, c=2, seed=1)
 @given(cp=st.sampled_from([2, 4]), heads_kv=st.integers(0, 3), causal=st.booleans(),
        layout=st.sampled_from(["zigzag", "contiguous"]), b=st.integers(1, 2), d=st.sampled_from([2, 4]),
