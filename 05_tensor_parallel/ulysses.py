@@ -36,6 +36,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 from .context_layout import check_cp_sizes, sequence_positions, shard_sequence, unshard_sequence
 from .context_parallel import ring_attention
@@ -163,3 +164,17 @@ def hybrid_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ulysses_
     check_hybrid_sizes(q.shape[2] * u * r, q.shape[1], k.shape[1], u, r, layout=layout)
     ring = partial(ring_attention, group=ring_group, causal=causal, layout=layout)
     return _ulysses(q, k, v, ulysses_group, "contiguous", ring)
+
+
+def apply_ulysses(module: nn.Module, group, ring_group=None, layout: str = "zigzag") -> None:
+    """Every attention of `module` (each submodule with common.kernel.model's `attend` hook) attends
+    causally by Ulysses over `group` (hybrid: with the ring over `ring_group`); the caller feeds each
+    rank its `shard_sequence` tokens (hybrid: `hybrid_shard`) and their global positions. In place."""
+    attend = (partial(ulysses_attention, group=group, causal=True, layout=layout) if ring_group is None
+              else partial(hybrid_attention, ulysses_group=group, ring_group=ring_group, causal=True,
+                           layout=layout))
+    hooked = [sub for sub in module.modules() if hasattr(sub, "attend")]
+    if not hooked:
+        raise ValueError("apply_ulysses: no attention with an `attend` hook in the module")
+    for sub in hooked:
+        sub.attend = attend
