@@ -242,8 +242,10 @@ class TensorParallelStrategy(Strategy):
             kv = x.kv // x.t if x.kv >= x.t else 1
             saved = (ulysses_activation_bytes if self.cp_variant == "ulysses"
                      else partial(cp_activation_bytes, variant=self.cp_variant))
+            # the report's CP row reads the ring's sends; the other variants' bytes are collectives
+            name = "comm" if self.cp_variant == "ring" else self.cp_variant
             extras |= {"cp": self.cp, "cp_variant": self.cp_variant,
-                       "cp_comm_bytes_formula": self._cp_bytes(self.steps_run),
+                       f"cp_{name}_bytes_formula": self._cp_bytes(self.steps_run),
                        "cp_load_balance": load_balance(self.seq_len, self.cp),
                        "activation_terms": cp_model_activation_terms(x, self.cp, self.cp_variant),
                        "cp_attention_activation_per_layer_formula": saved(

@@ -192,7 +192,7 @@ def test_train_cp_ulysses_check_passes_and_report_matches_formulas(pools):
     assert all(r["check_passed"] for r in reports)
     assert report["mesh"] == {"dp": 1, "cp": 2, "tp": 2} and report["cp_variant"] == "ulysses"
     assert report["comm_bytes_per_rank"] == pytest.approx(report["comm_bytes_formula"], rel=1e-12)
-    assert report["comm"]["all_to_all_single"]["bytes"] == pytest.approx(report["cp_comm_bytes_formula"],
+    assert report["comm"]["all_to_all_single"]["bytes"] == pytest.approx(report["cp_ulysses_bytes_formula"],
                                                                        rel=1e-12)
     for key in ("params", "grads", "optimizer", "activations_peak"):
         assert report["memory"][key] == pytest.approx(report["memory_formula"][key], rel=1e-12), key
