@@ -106,19 +106,38 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, layout: s
     check_ulysses_sizes(q.shape[2] * cp, q.shape[1], k.shape[1], cp, layout=layout)
 
 
+def to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int) -> torch.Tensor:
+    """What a rank sends in the first all-to-all: [P: the destination, B, H/P + 2·H_kv'/P, t, d],
+    block j holding head block j of q, k and v (K/V repeated to cp heads when fewer)."""
+    if kv_heads_sent(k.shape[1], cp) > k.shape[1]:
+        k, v = (x.repeat_interleave(cp // k.shape[1], dim=1) for x in (k, v))
+    return torch.cat([x.unflatten(1, (cp, -1)) for x in (q, k, v)], dim=2).movedim(1, 0)
+
+
+def from_tokens(received: torch.Tensor, layout: str) -> torch.Tensor:
+    """What arrived from every rank [P: the source, B, h, t, d] → [B, h, s, d] in sequence order."""
+    return unshard_sequence(received.unbind(0), dim=2, layout=layout)
+
+
+def to_tokens(out: torch.Tensor, cp: int, layout: str) -> torch.Tensor:
+    """The second all-to-all's send: [B, h, s, d] → [P: the destination, B, h, t, d], its tokens."""
+    return torch.stack([shard_sequence(out, cp, r, 2, layout) for r in range(cp)])
+
+
+def from_heads(received: torch.Tensor) -> torch.Tensor:
+    """Every head block of this rank's tokens [P: the source, B, h, t, d] → [B, P·h, t, d]."""
+    return received.movedim(0, 1).flatten(1, 2)
+
+
 def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, layout: str,
              attend: Attend) -> torch.Tensor:
     """All-to-all to [B, H/P, s, d] (tokens in sequence order for `layout`), attend, all-to-all back."""
     cp = dist.get_world_size(group)
-    if kv_heads_sent(k.shape[1], cp) > k.shape[1]:
-        k, v = (x.repeat_interleave(cp // k.shape[1], dim=1) for x in (k, v))
-    hq, hk = q.shape[1] // cp, k.shape[1] // cp
-    send = torch.cat([x.unflatten(1, (cp, -1)) for x in (q, k, v)], dim=2)  # [B, P, hq + 2hk, t, d]
-    received = all_to_all(send.movedim(1, 0), group)  # [P: the source rank, B, hq + 2hk, t, d]
-    whole = unshard_sequence(received.unbind(0), dim=2, layout=layout)  # [B, hq + 2hk, s, d]
+    send = to_heads(q, k, v, cp)
+    hq, hk = q.shape[1] // cp, (send.shape[2] - q.shape[1] // cp) // 2
+    whole = from_tokens(all_to_all(send, group), layout)  # [B, hq + 2hk, s, d]
     out = attend(*whole.split([hq, hk, hk], dim=1))  # [B, hq, s, d]
-    back = torch.stack([shard_sequence(out, cp, r, 2, layout) for r in range(cp)])  # [P: dest, …]
-    return all_to_all(back, group).movedim(0, 1).flatten(1, 2)  # [B, H, t, d]
+    return from_heads(all_to_all(to_tokens(out, cp, layout), group))  # [B, H, t, d]
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
