@@ -85,7 +85,7 @@ FIGURES = [
     Figure(name="ulysses_all_to_all", path="05_tensor_parallel/figures/ulysses_all_to_all.svg",
            data=ulysses_data, draw=ulysses_draw, sizes={"cp": 4, "heads": 8, "kv_heads": 2, "seq_len": 16},
            sources=(Source("tensor_parallel.ulysses:to_heads", perturb=lambda send: send.flip(0)),
-                    Source("tensor_parallel.ulysses:from_tokens", perturb=lambda whole: whole.flip(2)),
+                    Source("tensor_parallel.ulysses:from_tokens", perturb=lambda whole: whole.roll(1, 1)),
                     Source("tensor_parallel.ulysses:to_tokens", perturb=lambda send: send.flip(0))),
            alt="who holds which heads of which tokens before and after each of Ulysses' two all-to-alls"),
 ]
