@@ -46,6 +46,7 @@ Communication per block per micro-batch (wire bytes per rank, nccl-tests convent
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 
 @dataclass(frozen=True)
@@ -211,9 +212,51 @@ SDPA_TERMS = ("q, k, v after RoPE + GQA repeat", "attention output", "attention 
 
 def cp_model_activation_terms(x: Shape, cp: int, variant: str = "ring") -> dict[str, float]:
     """model_activation_terms of one CP rank (x.s: its s/cp tokens), each block's three SDPA
-    terms replaced by the CP attention's saved bytes (`cp_activation_bytes`)."""
+    terms replaced by the CP attention's saved bytes (`cp_activation_bytes`, Ulysses':
+    `ulysses_activation_bytes`)."""
     layer = layer_activation_terms(x)
     kv = x.kv // x.t if x.kv >= x.t else 1  # the K/V heads one TP rank holds
-    attention = cp_activation_bytes(x.b, x.s * cp, x.a // x.t, kv, x.head_dim, cp, x.e, variant)
+    saved = (ulysses_activation_bytes if variant == "ulysses"
+             else partial(cp_activation_bytes, variant=variant))
+    attention = saved(x.b, x.s * cp, x.a // x.t, kv, x.head_dim, cp, x.e)
     block = sum(v for k, v in layer.items() if k not in SDPA_TERMS) + attention
     return model_activation_terms(x) | {"blocks": x.L * block}
+
+
+# --- Ulysses (ulysses.py) ------------------------------------------------------------------------
+#
+# Two even all-to-alls forward (q, k, v packed out; the output back), their adjoints backward (dout
+# out; dq, dk, dv back), each sending (cp-1)/cp of its input; H, H_kv the heads this rank holds,
+# H_kv' = max(H_kv, cp) after the repeat:  (cp-1)/cp · b·(s/cp)·d·(2H + 2H_kv')·e  each way.
+# Hybrid (u × r): the all-to-alls over u, then the ring over r on H/u, H_kv'/u heads of s tokens.
+
+
+def ulysses_comm_bytes(b: int, s: int, heads: int, kv_heads: int, head_dim: int, cp: int,
+                       e: int) -> dict[str, float]:
+    """Wire bytes one rank sends for one attention layer's forward + backward under Ulysses."""
+    if cp == 1:
+        return {}
+    one_way = (cp - 1) / cp * b * (s // cp) * head_dim * (2 * heads + 2 * max(kv_heads, cp)) * e
+    return {"forward q, k, v out + output back": one_way, "backward dout out + dq, dk, dv back": one_way}
+
+
+def ulysses_activation_bytes(b: int, s: int, heads: int, kv_heads: int, head_dim: int, cp: int,
+                             e: int) -> float:
+    """Bytes Ulysses attention saves for backward on one rank (H/cp heads of all s tokens, c = max(e,
+    4)): the gathered q, k, v buffer (b·s·d·(H + 2H_kv')/cp·e), SDPA's K/V repeated to H/cp heads
+    and its output (3·b·s·d·H/cp·e), the log-sum-exp (b·s·H/cp·c), the int64 token orders that
+    put the gathered tokens in sequence order and back (2 · 8·s), and the output back on its
+    s/cp tokens, wo's input (b·(s/cp)·H·d·e)."""
+    hq, hk = heads // cp, max(kv_heads, cp) // cp
+    gathered, sdpa = b * s * head_dim * (hq + 2 * hk) * e, 3 * b * s * head_dim * hq * e
+    return gathered + sdpa + b * s * hq * max(e, 4) + 16 * s + b * (s // cp) * heads * head_dim * e
+
+
+def hybrid_comm_bytes(b: int, s: int, heads: int, kv_heads: int, head_dim: int, ulysses: int,
+                      ring: int, e: int) -> dict[str, float]:
+    """Ulysses over `ulysses` ranks (s/ring tokens each all-to-all gathers) + the ring over `ring`
+    ranks on H/u query and H_kv'/u K/V heads: one layer, forward + backward, per rank."""
+    kv = max(kv_heads, ulysses)
+    inner = ulysses_comm_bytes(b, s // ring, heads, kv_heads, head_dim, ulysses, e)
+    outer = cp_comm_bytes(b, s, kv // ulysses, head_dim, ring, e)
+    return {f"ulysses {k}": v for k, v in inner.items()} | {f"ring {k}": v for k, v in outer.items()}

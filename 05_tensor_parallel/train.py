@@ -3,14 +3,17 @@
     torchrun --standalone --nproc-per-node 4 05_tensor_parallel/train.py --tp 4 --check
     make run-5 ARGS="--tp 2 --sequence-parallel --dtype float64 --check"     (dp = 4 / 2 = 2)
     make run-5 ARGS="--tp 2 --cp 2 --sequence-parallel --dtype float64 --check"   (dp = 1)
+    make run-5 ARGS="--cp 4 --cp-variant ulysses --dtype float64 --check"         (tp = 1)
 
 The world is tp × cp × dp ranks, TP innermost (consecutive ranks, like Megatron: one node's
 NVLink domain), then context parallelism, then the dp replicas. The ranks of one TP group take
 the same rows and tokens and hold 1/tp of every block; the cp CP groups of a replica take the
 same rows, each its zig-zag chunks of the sequence (RoPE at their global positions; under SP the
 split into tp pieces happens inside those s/cp tokens), attending over the whole sequence by ring
-attention. CP ranks hold the same parameters, so gradients are averaged over dp × cp (SUM, then
-/ (dp·cp)): each rank's loss is the mean over its tokens, and their mean the global-token mean.
+attention (`--cp-variant all_gather`: Llama 3's all-gather of K/V; `ulysses`: two all-to-alls
+trade the sequence split for a head split inside attention, ulysses.py). CP ranks hold the same
+parameters, so gradients are averaged over dp × cp (SUM, then / (dp·cp)): each rank's
+loss is the mean over its tokens, and their mean the global-token mean.
 The report prints the comm and activation formulas of formulas.py beside the measurements.
 A MoE model (--model tiny-moe) trains with expert parallelism (and --tp: every expert cut like the
 SwiGLU, moe_tensor_parallel.py) in its own demo: train_expert.py, `make run-5-ep`.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -60,7 +64,12 @@ from tensor_parallel.formulas import (
     model_activation_bytes,
     model_activation_terms,
     step_comm_bytes,
+    ulysses_activation_bytes,
+    ulysses_comm_bytes,
 )
+from tensor_parallel.ulysses import apply_ulysses, check_ulysses_sizes
+
+CP_VARIANTS = ("ring", "all_gather", "ulysses")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="shard the norm/residual regions along the sequence (Korthikanti et al. 2022)")
     p.add_argument("--cp", type=int, default=1,
                    help="context-parallel size: each rank holds s/cp tokens (zig-zag), ring attention")
+    p.add_argument("--cp-variant", choices=CP_VARIANTS, default="ring",
+                   help="how CP attends: K/V round the ring, all-gathered, or Ulysses' all-to-alls")
     return p.parse_args(argv)
 
 
@@ -79,12 +90,14 @@ class TensorParallelOptions:
     """The chapter's resolved flags (the run's `options`); tp, cp and dp are the run's mesh."""
 
     sequence_parallel: bool = False
+    cp_variant: str = "ring"
 
 
 def validate(args: argparse.Namespace, world_size: int) -> Run:
     """Everything that can be wrong with the input, checked before any collective; the run."""
     validate_common(args)
     cfg, cp = model_config(args), args.cp
+    variant = getattr(args, "cp_variant", "ring")  # a Namespace built without the flag: the ring
     require(not cfg.n_experts, f"--model {args.model} is a mixture-of-experts model: train it with expert "
                                "parallelism, make run-5-ep (05_tensor_parallel/train_expert.py)")
     tp = args.tp if args.tp is not None else world_size // cp if cp >= 1 and world_size % cp == 0 else 1
@@ -95,8 +108,11 @@ def validate(args: argparse.Namespace, world_size: int) -> Run:
     try:
         if cp > 1:  # the zig-zag chunks; without CP any length trains
             check_cp_sizes(args.seq_len, cp)
+        if cp > 1 and variant == "ulysses":  # the heads it splits, within a TP rank's
+            check_ulysses_sizes(args.seq_len, cfg.n_heads, cfg.n_kv_heads, cp, tp)
     except ValueError as error:
-        raise ConfigError(f"--cp {cp} with --seq-len {args.seq_len}: {error}") from None
+        raise ConfigError(f"--cp {cp} --cp-variant {variant} with --seq-len {args.seq_len}, "
+                          f"--tp {tp}, --model {args.model}: {error}") from None
     try:
         check_tp_sizes(tp, cfg.n_heads, cfg.n_kv_heads, cfg.hidden_dim, args.seq_len // cp,
                        args.sequence_parallel)
@@ -104,7 +120,7 @@ def validate(args: argparse.Namespace, world_size: int) -> Run:
         within = f" (the {args.seq_len // cp} tokens of a CP rank)" if cp > 1 else ""
         raise ConfigError(f"--tp {tp} with --model {args.model}: {error}{within}") from None
     layout = batch_layout(args.global_batch, mesh.dp, args.micro_batch, args.grad_accum)
-    return resolve_run(args, mesh, layout, TensorParallelOptions(args.sequence_parallel))
+    return resolve_run(args, mesh, layout, TensorParallelOptions(args.sequence_parallel, variant))
 
 
 class TensorParallelStrategy(Strategy):
@@ -125,8 +141,11 @@ class TensorParallelStrategy(Strategy):
         # split the model on the meta device, then draw only this rank's slices onto its device
         self.model = build_model(cfg, dtype=run.dtype, device="meta")
         self.specs = parallelize_llama(self.model, self.tp_group, self.sequence_parallel)
-        if self.cp > 1:
-            apply_context_parallel(self.model, self.cp_group)
+        self.cp_variant = run.options.cp_variant
+        if self.cp > 1 and self.cp_variant == "ulysses":
+            apply_ulysses(self.model, self.cp_group)
+        elif self.cp > 1:
+            apply_context_parallel(self.model, self.cp_group, self.cp_variant)
         materialize(self.model, initializer(cfg, run.seed), ctx.device,
                     lambda name, full: local_piece(full, self.specs[name]))
         self.names = [n for n, _ in self.model.named_parameters()]
@@ -197,16 +216,19 @@ class TensorParallelStrategy(Strategy):
         opt += P * master if self.mixed else 0
         comm = steps * step_comm_bytes(self.shape, self.grad_accum, self.dp_size * self.cp,
                                        self.reduce_itemsize, self.clip_grad is not None)
-        activations = (sum(cp_model_activation_terms(self.shape, self.cp).values()) if self.cp > 1
-                       else model_activation_bytes(self.shape))
+        activations = (sum(cp_model_activation_terms(self.shape, self.cp, self.cp_variant).values())
+                       if self.cp > 1 else model_activation_bytes(self.shape))
         return comm + self._cp_bytes(steps), {"params": P * e, "grads": P * self.reduce_itemsize,
                                               "optimizer": opt, "activations_peak": activations}
 
     def _cp_bytes(self, steps: int) -> float:
-        """The ring's K/V and dK/dV messages per rank over `steps` steps (every layer, micro-batch)."""
+        """CP attention's bytes per rank over `steps` steps (every layer, micro-batch): the ring's
+        K/V and dK/dV messages, the all-gather's, or Ulysses' all-to-alls."""
         x = self.shape
         kv = x.kv // x.t if x.kv >= x.t else 1
-        layer = cp_comm_bytes(x.b, self.seq_len, kv, x.head_dim, self.cp, x.e)
+        layer = (ulysses_comm_bytes(x.b, self.seq_len, x.a // x.t, kv, x.head_dim, self.cp, x.e)
+                 if self.cp_variant == "ulysses" else
+                 cp_comm_bytes(x.b, self.seq_len, kv, x.head_dim, self.cp, x.e, self.cp_variant))
         return steps * self.grad_accum * x.L * sum(layer.values())
 
     def report_extras(self) -> dict:
@@ -218,10 +240,15 @@ class TensorParallelStrategy(Strategy):
         if self.cp > 1:
             x = self.shape
             kv = x.kv // x.t if x.kv >= x.t else 1
-            extras |= {"cp": self.cp, "cp_comm_bytes_formula": self._cp_bytes(self.steps_run),
+            saved = (ulysses_activation_bytes if self.cp_variant == "ulysses"
+                     else partial(cp_activation_bytes, variant=self.cp_variant))
+            # the report's CP row reads the ring's sends; the other variants' bytes are collectives
+            name = "comm" if self.cp_variant == "ring" else self.cp_variant
+            extras |= {"cp": self.cp, "cp_variant": self.cp_variant,
+                       f"cp_{name}_bytes_formula": self._cp_bytes(self.steps_run),
                        "cp_load_balance": load_balance(self.seq_len, self.cp),
-                       "activation_terms": cp_model_activation_terms(x, self.cp),
-                       "cp_attention_activation_per_layer_formula": cp_activation_bytes(
+                       "activation_terms": cp_model_activation_terms(x, self.cp, self.cp_variant),
+                       "cp_attention_activation_per_layer_formula": saved(
                            x.b, self.seq_len, x.a // x.t, kv, x.head_dim, self.cp, x.e)}
         return extras
 
