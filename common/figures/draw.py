@@ -67,9 +67,27 @@ def _power_label(base: float):
     return label
 
 
+def saved_width(fig) -> float:
+    """The inches `fig` is saved at (bbox_inches="tight", with the pad)."""
+    fig.canvas.draw()
+    return fig.get_tightbbox().width + 2 * plt.rcParams["savefig.pad_inches"]
+
+
+def fit(fig) -> None:
+    """Pull a figure whose labels stick out past its sides (long lane names, a legend beside the
+    axes) back inside WIDTH: its axes narrow, its text keeps its size."""
+    if saved_width(fig) > WIDTH + 2 * PAD + 0.01:
+        fig.tight_layout()
+
+
 def finish(fig) -> None:
-    """What every figure gets after its drawing (common.figures.render and save call it): each log
-    axis left with matplotlib's 10^k ticks labels them as plain text (`_power_label`)."""
+    """What every figure gets after its drawing (common.figures.render and save call it): a title
+    wider than the figure wraps inside it (not widening the image, which would shrink every label
+    on GitHub), and each log axis left with matplotlib's 10^k ticks labels them as plain text."""
+    for text in [fig._suptitle, *(t for ax in fig.axes for t in (ax.title, ax._left_title, ax._right_title))]:
+        if text is not None:
+            text.set_wrap(True)
+    fit(fig)
     for ax in fig.axes:
         for axis in (ax.xaxis, ax.yaxis):
             if axis.get_scale() == "log" and isinstance(axis.get_major_formatter(),
