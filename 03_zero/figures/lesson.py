@@ -88,7 +88,7 @@ def stages_draw(data: dict):
     scale = width / padded  # the strip on top spans every rank's cells
     flat_strip(ax, data["tensors"], padded, -1.4, 0.28, scale)
     for r, (start, size) in enumerate(ranks):
-        draw.box(ax, start * scale, -1.08, size * scale, 0.22, f"rank {r}: [{start:,}, {start + size:,})",
+        draw.box(ax, start * scale, -1.08, size * scale, 0.22, f"r{r}: [{start:,}, {start + size:,})",
                  color=draw.rank_color(r), alpha=0.85, fontsize=draw.SMALL, textcolor="#FFFFFF", edge="#FFFFFF")
     pad = padded - data["psi"]
     ax.text(-0.05, -1.15, f"flat buffer,\nΨ = {data['psi']:,}", ha="right", va="center", fontsize=draw.SMALL)

@@ -52,7 +52,7 @@ def recipe_bytes_draw(data: dict):
         bars = right.bar(xs, rec["wire"], width * 0.92, color=draw.rank_color(j), label=name)
         right.bar_label(bars, [f"{v:.3g}" for v in rec["wire"]], fontsize=draw.SMALL, padding=1)
     for ax in (left, right):
-        ax.set_xticks(range(4), STRATEGY, fontsize=draw.SMALL)
+        ax.set_xticks(range(4), [s.replace(", ", ",\n") for s in STRATEGY], fontsize=draw.SMALL)
     left.set_ylabel("bytes per parameter per rank")
     left.set_ylim(0, 22)
     left.legend(fontsize=draw.SMALL, loc="upper right")

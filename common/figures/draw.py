@@ -73,6 +73,29 @@ def saved_width(fig) -> float:
     return fig.get_tightbbox().width + 2 * plt.rcParams["savefig.pad_inches"]
 
 
+def wrap_titles(fig) -> None:
+    """Break a title that runs past the figure's right edge, or into the next axes' title, into
+    lines that fit (a long title must not widen the image or overrun its neighbour)."""
+    import textwrap
+
+    renderer = fig.canvas.get_renderer()
+    right_edge = fig.bbox.x1
+    for ax in fig.axes:
+        box = ax.get_position()
+        neighbours = [o.get_window_extent().x0 for o in fig.axes if o is not ax and o.get_visible()
+                      and o.get_position().x0 > box.x0 and o.get_position().y0 < box.y1
+                      and o.get_position().y1 > box.y0]
+        limit = min(neighbours, default=right_edge) - 8
+        for title in (ax.title, ax._left_title, ax._right_title):
+            text = title.get_text()
+            extent = title.get_window_extent(renderer)
+            if not text or extent.x1 <= limit:
+                continue
+            room = max(limit - extent.x0, 1.0)
+            chars = max(int(max(map(len, text.split("\n"))) * room / extent.width), 20)
+            title.set_text("\n".join(textwrap.fill(line, chars) for line in text.split("\n")))
+
+
 def fit(fig) -> None:
     """Pull a figure whose labels stick out past its sides (long lane names, a legend beside the
     axes) back inside WIDTH: its axes narrow, its text keeps its size."""
@@ -81,13 +104,9 @@ def fit(fig) -> None:
 
 
 def finish(fig) -> None:
-    """What every figure gets after its drawing (common.figures.render and save call it): a title
-    wider than the figure wraps inside it (not widening the image, which would shrink every label
-    on GitHub), and each log axis left with matplotlib's 10^k ticks labels them as plain text."""
-    for text in [fig._suptitle, *(t for ax in fig.axes for t in (ax.title, ax._left_title, ax._right_title))]:
-        if text is not None:
-            text.set_wrap(True)
-    fit(fig)
+    """What every figure gets after its drawing (common.figures.render and save call it): its
+    titles broken to fit, its labels pulled inside WIDTH (a wider image shrinks every label on
+    GitHub), and each log axis left with matplotlib's 10^k ticks labelled as plain text."""
     for ax in fig.axes:
         for axis in (ax.xaxis, ax.yaxis):
             if axis.get_scale() == "log" and isinstance(axis.get_major_formatter(),
@@ -95,6 +114,9 @@ def finish(fig) -> None:
                 base = axis.get_transform().base
                 axis.set_major_formatter(FuncFormatter(_power_label(base)))
                 axis.set_minor_formatter(NullFormatter())
+    wrap_titles(fig)
+    fit(fig)
+    wrap_titles(fig)
 
 
 def rank_color(rank: int) -> str:
