@@ -12,10 +12,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-import matplotlib.pyplot as plt  # noqa: E402
-import pytest  # noqa: E402
+import matplotlib.pyplot as plt
+import pytest
 
-from common.figures import ROOT, all_figures, draw, illegible, legible, render  # noqa: E402
+from common.figures import ROOT, all_figures, draw, illegible, legible, render
 
 FIGURES = all_figures()
 BY_PATH = {f.path: f for f in FIGURES}

@@ -15,7 +15,7 @@ from common.kernel.optimizer_bytes import optimizer_state_bytes
 from data_parallel.ddp import assign_buckets
 from data_parallel.train import overlap_tokens
 
-GB, MiB = 1e9, 2**20
+GB, MiB, SMALL = 1e9, 2**20, draw.SMALL
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,7 +81,7 @@ def dp_step_draw(data: dict):
         text = (f"rank {r}: full model\nrows {', '.join(map(str, mine))} "
                 f"({len(data['rows'][r])} micro-batch{'es' if len(data['rows'][r]) != 1 else ''})\n"
                 f"local gradient g{r}\n‖g{r}‖ = {data['grad_norms'][r]:.4f}")
-        draw.box(ax, x, 1.35, slot - 0.24, 1.7, text, color=draw.rank_color(r), alpha=0.2, fontsize=draw.SMALL)
+        draw.box(ax, x, 1.35, slot - 0.24, 1.7, text, color=draw.rank_color(r), alpha=0.2, fontsize=SMALL)
         draw.arrow(ax, (x + slot / 2 - 0.12, 3.1), (x + slot / 2 - 0.12, 3.65), color="#333333")
         draw.arrow(ax, (x + slot / 2 - 0.12, 4.55), (x + slot / 2 - 0.12, 5.1), color="#333333")
         draw.box(ax, x, 5.15, slot - 0.24, 1.0, "AdamW step with g:\nthe same weights everywhere",
@@ -94,7 +94,8 @@ def dp_step_draw(data: dict):
                else "≠ one device's gradient on all rows ✗")
     ax.text(0, 6.75, f"g {verdict}", fontsize=8.5, va="center")
     ax.text(0, 7.3, f"float64 `tiny` LLaMA with 2 layers ({data['params']:,} parameters), played in one "
-            "process; rows from common.data.local_micro_batches", fontsize=draw.SMALL, color="#555555", va="center")
+            "process; rows from common.data.local_micro_batches", fontsize=draw.SMALL, color="#555555",
+            va="center")
     ax.set_title(f"One data-parallel step on {n} ranks: each its rows, one all-reduce, the same update",
                  loc="left")
     fig.subplots_adjust(left=0.01, right=0.99, top=0.93, bottom=0.02)
@@ -172,7 +173,7 @@ def memory_draw(data: dict):
     right.barh(range(len(names)), [data["others"][m] for m in names], color="#CC79A7", edgecolor="#333333",
                linewidth=0.5)
     for i, m in enumerate(names):
-        right.text(data["others"][m] * 1.15, i, f"{data['others'][m]:,.1f} GB", va="center", fontsize=draw.SMALL)
+        right.text(data["others"][m] * 1.15, i, f"{data['others'][m]:,.1f} GB", va="center", fontsize=SMALL)
     right.axvline(80, color="#D55E00", ls="--", lw=1)
     right.set_xscale("log")
     right.set_xlim(10, 1e5)
@@ -256,7 +257,8 @@ def buckets_draw(data: dict):
                 x += size[name] / total
             for layer, (a, b) in spans.items():
                 if b - a > 0.02:
-                    ax.text((a + b) / 2, y + 0.62, layer, ha="center", va="top", fontsize=draw.SMALL, color="#555555")
+                    ax.text((a + b) / 2, y + 0.62, layer, ha="center", va="top", fontsize=SMALL,
+                            color="#555555")
         else:
             for i, bucket in enumerate(buckets):  # the point its all-reduce could start
                 at = max(done[name] for name, _ in bucket)

@@ -117,7 +117,8 @@ def bf16_updates_draw(data: dict):
     for i, (label, values) in enumerate(data["rows"].items()):
         right.plot(steps, values, "o-" if i else "-", color=draw.rank_color(i), label=label, ms=3)
     right.axhline(data["half_ulp_at_1"], color="#555555", ls="--", lw=0.8)
-    right.text(0, data["half_ulp_at_1"] * 1.05, "half of bf16's ulp at 1 (2⁻⁸)", fontsize=draw.SMALL, va="bottom")
+    right.text(0, data["half_ulp_at_1"] * 1.05, "half of bf16's ulp at 1 (2⁻⁸)", fontsize=draw.SMALL,
+               va="bottom")
     right.set(xlabel="step", ylabel="mean |θ − 1| of the RMSNorm weights")
     right.legend(fontsize=draw.SMALL, loc="center right")
     right.set_title(f"A real run of tiny, AdamW at lr {data['lr']:g}", loc="left", fontsize=9)

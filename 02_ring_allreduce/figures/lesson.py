@@ -188,10 +188,12 @@ def alpha_beta_draw(data: dict):
     star, half = data["crossover"][str(n)], data["half"]
     left.axvline(star, color="#333333", ls="--", lw=0.8)
     at = left.get_xaxis_transform()  # x in bytes, y in axes fraction
-    left.text(star * 1.15, 0.72, f"S* = {_size_label(star)}:\nnaive faster below", fontsize=draw.SMALL, va="top",
+    left.text(star * 1.15, 0.72, f"S* = {_size_label(star)}:\nnaive faster below", fontsize=draw.SMALL,
+              va="top",
               transform=at)
     left.axvline(half, color="#0072B2", ls=":", lw=0.8)
-    left.text(half * 1.15, 0.04, f"S½ = {_size_label(half)}:\nthe ring's two terms\nare equal", fontsize=draw.SMALL,
+    left.text(half * 1.15, 0.04, f"S½ = {_size_label(half)}:\nthe ring's two terms\nare equal",
+              fontsize=draw.SMALL,
               color="#0072B2", va="bottom", transform=at)
     left.set(xscale="log", yscale="log", xlabel="all-reduce size S", ylabel="time (µs)")
     left.set_title(f"n = {n}: T = latencies·α + bytes·β", loc="left")
@@ -255,7 +257,8 @@ def ring_plan_draw(data: dict):
                 fontweight="bold")
         for g, group in enumerate(groups[str(r)]):
             text = "\n".join(f"{'→' if o['kind'] == 'send' else '←'}{o['peer']} {o['what']}" for o in group)
-            draw.box(ax, g + 0.04, r, 0.92, 0.84, text, color=PHASE_COLORS[group[0]["phase"]], fontsize=draw.SMALL)
+            draw.box(ax, g + 0.04, r, 0.92, 0.84, text, color=PHASE_COLORS[group[0]["phase"]],
+                     fontsize=draw.SMALL)
     verdict = "no deadlock" if data["deadlock"] is None else data["deadlock"]
     ax.text(-1.3, -1.45, f"n = {n}, {data['length']} elements in chunks {data['chunks']}, segments of "
             f"{data['segment']} elements · find_deadlock under NCCL's rules: {verdict}", fontsize=8,

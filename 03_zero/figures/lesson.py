@@ -74,7 +74,8 @@ def legend(ax, x: float, y: float, step: float, h: float = 0.2) -> None:
     for j, (kind, color) in enumerate([*TENSOR_COLORS.items(), ("padding", None)]):
         draw.box(ax, x + j * step, y, 0.12 * step, h, color=color or "#FFFFFF",
                  edge="#000000" if color is None else "#FFFFFF", hatch=None if color else "xxxx")
-        ax.text(x + j * step + 0.16 * step, y + h / 2, kind.replace("_", " "), va="center", fontsize=draw.SMALL)
+        ax.text(x + j * step + 0.16 * step, y + h / 2, kind.replace("_", " "), va="center",
+                fontsize=draw.SMALL)
 
 
 def stages_draw(data: dict):
@@ -89,7 +90,8 @@ def stages_draw(data: dict):
     flat_strip(ax, data["tensors"], padded, -1.4, 0.28, scale)
     for r, (start, size) in enumerate(ranks):
         draw.box(ax, start * scale, -1.08, size * scale, 0.22, f"r{r}: [{start:,}, {start + size:,})",
-                 color=draw.rank_color(r), alpha=0.85, fontsize=draw.SMALL, textcolor="#FFFFFF", edge="#FFFFFF")
+                 color=draw.rank_color(r), alpha=0.85, fontsize=draw.SMALL, textcolor="#FFFFFF",
+                 edge="#FFFFFF")
     pad = padded - data["psi"]
     ax.text(-0.05, -1.15, f"flat buffer,\nΨ = {data['psi']:,}", ha="right", va="center", fontsize=draw.SMALL)
     ax.text(width + 0.05, -1.26, f"{pad} padding\nelement{'s' if pad != 1 else ''}" if pad else
@@ -159,7 +161,8 @@ def buckets_draw(data: dict):
         flat_strip(ax, b["tensors"], b["padded"], i, 0.42, scale)
         for r, (start, size) in enumerate(b["slices"]):
             draw.box(ax, start * scale, i + 0.46, size * scale, 0.2, f"rank {r}",
-                     color=draw.rank_color(r), alpha=0.85, fontsize=draw.SMALL, textcolor="#FFFFFF", edge="#FFFFFF")
+                     color=draw.rank_color(r), alpha=0.85, fontsize=draw.SMALL, textcolor="#FFFFFF",
+                     edge="#FFFFFF")
         ax.text(-0.01, i + 0.33, f"bucket {i}", ha="right", va="center", fontsize=draw.SMALL)
         pad = b["padded"] - b["numel"]
         ax.text(b["padded"] * scale + 0.012, i + 0.33,
@@ -192,7 +195,8 @@ def memory_draw(data: dict):
         ax.plot(ns, st["gb"], "o-", color=color, label=STAGE_LABEL[st["stage"]], ms=4)
         if 0 < st["stage"] < 3:
             ax.axhline(st["limit_gb"], color=color, ls=":", lw=0.8)
-            ax.text(ns[-1], st["limit_gb"] * 1.08, f"limit {st['limit_gb']:.0f} GB", ha="right", fontsize=draw.SMALL,
+            ax.text(ns[-1], st["limit_gb"] * 1.08, f"limit {st['limit_gb']:.0f} GB", ha="right",
+                    fontsize=draw.SMALL,
                     color=color)
     ax.axhline(80, color="#555555", ls="--", lw=0.8)
     ax.text(ns[-1], 68, "one 80 GB GPU", ha="right", va="top", fontsize=draw.SMALL, color="#555555")

@@ -36,7 +36,8 @@ def hsdp_data(s: int = 8, r: int = 2, micro_batches: int = 1,
 def hsdp_draw(data: dict):
     s, r, shard = data["s"], data["r"], data["shard"]
     where = {rank: (k, i) for k, line in enumerate(shard) for i, rank in enumerate(line)}
-    fig, (top, ax) = draw.figure(height=6.2, nrows=2, ncols=1, gridspec_kw={"height_ratios": [1.3, 1], "hspace": 0.3})
+    fig, (top, ax) = draw.figure(height=6.2, nrows=2, ncols=1, gridspec_kw={"height_ratios": [1.3, 1],
+                                                                            "hspace": 0.3})
     gpu, gap = 1.0, 1.6
     node_w = s * gpu
     draw.blank(top, (-0.6, r * node_w + (r - 1) * gap + 0.6), (-1.35, 4.1))
@@ -64,7 +65,8 @@ def hsdp_draw(data: dict):
     top.text(0, 3.3, f"replicate groups: local rank i on every node all-reduces its 1/{s} of each gradient "
              f"across the {r} nodes (one NIC per GPU): {data['per_rank_inter']:.3g}·P·b per GPU",
              fontsize=draw.SMALL, va="center")
-    top.text(r * node_w / 2 + (r - 1) * gap / 2, 0.15, "network", ha="center", va="bottom", fontsize=draw.SMALL,
+    top.text(r * node_w / 2 + (r - 1) * gap / 2, 0.15, "network", ha="center", va="bottom",
+             fontsize=draw.SMALL,
              color="#D55E00")
     top.text(0, 3.8, f"FULL_SHARD instead: one ring 0 → 1 → … → {s * r - 1} → 0 over all {s * r} GPUs,\n"
              f"whose {r} hops between nodes use the network (NCCL runs {s} such rings, one per NIC)",
@@ -80,7 +82,8 @@ def hsdp_draw(data: dict):
            label="FULL_SHARD: reduce-scatter")
     ax.bar([x + 0.2 for x in xs], hsdp, 0.38, color="#0072B2", label="HSDP: all-reduce of the shards")
     for x, g, red, h in zip(xs, flat_g, flat_r, hsdp, strict=True):
-        ax.text(x, g + red + 0.1, f"{(g + red) / h:.2f}×", ha="center", fontsize=draw.SMALL, fontweight="bold")
+        ax.text(x, g + red + 0.1, f"{(g + red) / h:.2f}×", ha="center", fontsize=draw.SMALL,
+                fontweight="bold")
     ax.set_xticks(list(xs), [f"r = {x['nodes']} nodes" for x in rows])
     ax.set_ylabel("bytes leaving a node per step\n(units of P·b)")
     ax.set_ylim(0, max(g + red for g, red in zip(flat_g, flat_r, strict=True)) * 1.25)

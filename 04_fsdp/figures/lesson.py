@@ -283,7 +283,8 @@ def units_draw(data: dict):
         units += "".join(f" + {c} × {v:,}" for v, c in sorted(counts.items()))
         ax.text(1.01, i + 0.47, units, va="center", fontsize=draw.SMALL)
     ax.text(0, -0.35, "parameters in registration order: tok_embeddings | layers.0 … | norm | output;\n"
-            "colour = the unit that owns them (grey: the root unit, gathered for the whole step)", fontsize=draw.SMALL,
+            "colour = the unit that owns them (grey: the root unit, gathered for the whole step)",
+            fontsize=draw.SMALL,
             va="center", color="#555555")
     ax.set_title(f"The units of {data['model']} ({total:,} parameters) under four auto-wrap policies",
                  loc="left")

@@ -69,7 +69,7 @@ def cp_layout_draw(data: dict):
     ratio = {lay: max(data[lay]["work"]) / min(data[lay]["work"]) for lay in ("contiguous", "zigzag")}
     ax.set_title(f"work per rank: max/min\ncontiguous {ratio['contiguous']:.2f}, "
                  f"zig-zag {ratio['zigzag']:.2f}", loc="left", fontsize=9)
-    fig.suptitle(f"Causal attention over cp = {cp} ranks: each block coloured by the rank that computes it "
+    fig.suptitle(f"Causal attention over cp = {cp} ranks: each block coloured by the rank that computes it\n"
                  "(blank: above the diagonal, skipped)", x=0.01, ha="left", fontweight="bold", fontsize=9.5)
     fig.tight_layout()
     return fig

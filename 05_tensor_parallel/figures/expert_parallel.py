@@ -101,9 +101,9 @@ def moe_dispatch_draw(data: dict):
     b.set_xticks(range(ep), [f"→ r{d}" for d in range(ep)], fontsize=draw.SMALL)
     b.set_yticks(range(ep), [f"r{s} sends" for s in range(ep)], fontsize=draw.SMALL)
     b.spines[["left", "bottom"]].set_visible(False)
-    b.set_title("dispatch all-to-all: rows per (sender, receiver)\ncombine sends the transpose back; "
+    b.set_title("dispatch all-to-all: rows per\n(sender, receiver); combine sends the\ntranspose back; "
                 "diagonal: stays home", loc="left", fontsize=8.5)
-    fig.suptitle(f"Expert parallelism, EP {ep}: one MoE layer of tiny-moe, real routing; bytes per rank "
+    fig.suptitle(f"Expert parallelism, EP {ep}: one MoE layer of tiny-moe, real routing;\nbytes per rank "
                  f"(fwd + bwd) = 2(A+B)·{data['dim']}·8 + counts", x=0.01, ha="left", fontweight="bold",
                  fontsize=9.5)
     fig.tight_layout()

@@ -139,7 +139,8 @@ def tp_heads_draw(data: dict):
         ax.text(-0.15, 2.25, "K/V\nheads", ha="right", va="center", fontsize=draw.SMALL)
         for r, held in enumerate(p["ranks"]):
             colour = draw.rank_color(r)
-            ax.text((r + 0.5) * width, -0.3, f"rank {r}", ha="center", va="center", fontsize=draw.SMALL, color=colour,
+            ax.text((r + 0.5) * width, -0.3, f"rank {r}", ha="center", va="center", fontsize=draw.SMALL,
+                    color=colour,
                     fontweight="bold")
             kv_w = width / len(held["kv"])
             for j, kv in enumerate(held["kv"]):
@@ -196,15 +197,17 @@ def vocab_ce_draw(data: dict):
     t, width, tokens = data["t"], data["width"], len(data["targets"])
     cols = t * width
     fig, ax = draw.figure(height=1.5 + 0.5 * tokens)
-    draw.blank(ax, (-1.4, cols + t + 6.2), (-1.1, tokens + 1.2))
+    rw, sw = 1.5, 1.75  # the widths of a per-rank column and of a summary column
+    draw.blank(ax, (-1.4, cols + 0.6 + rw * t + sw * 4), (-1.1, tokens + 1.2))
     for r in range(t):
         colour = draw.rank_color(r)
-        ax.text(r * width + width / 2, -0.5, f"rank {r}: ids {r * width}–{(r + 1) * width - 1}",
+        ax.text(r * width + width / 2, -0.5, f"rank {r}\nids {r * width}–{(r + 1) * width - 1}",
                 ha="center", fontsize=draw.SMALL, color=colour, fontweight="bold")
-        ax.text(cols + 0.6 + r, -0.5, f"r{r}", ha="center", fontsize=draw.SMALL, color=colour, fontweight="bold")
-    x = cols + 0.6 + t
+        ax.text(cols + 0.6 + rw * (r + 0.5), -0.5, f"r{r}", ha="center", fontsize=draw.SMALL, color=colour,
+                fontweight="bold")
+    x = cols + 0.6 + rw * t
     for k, head in enumerate(("MAX\nm", "SUM\nΣ", "z_y − m", "loss\n(code)")):
-        ax.text(x + 0.3 + 1.3 * k, -0.5, head, ha="center", fontsize=draw.SMALL, fontweight="bold")
+        ax.text(x + sw * (k + 0.5), -0.5, head, ha="center", fontsize=draw.SMALL, fontweight="bold")
     for n, row in enumerate(data["logits"]):
         y = n + 0.45
         ax.text(-0.2, y, f"token {n}", ha="right", va="center", fontsize=draw.SMALL)
@@ -214,12 +217,13 @@ def vocab_ce_draw(data: dict):
                      alpha=0.15 if pad else 0.45, hatch="//" if pad else None, fontsize=draw.SMALL,
                      edge="#000000" if v == data["targets"][n] else "#BBBBBB")
         for r in range(t):
-            ax.text(cols + 0.6 + r, y, f"{data['max'][n][r]:.1f}\n{data['sumexp'][n][r]:.2g}", ha="center",
+            ax.text(cols + 0.6 + rw * (r + 0.5), y, f"{data['max'][n][r]:.1f}\n{data['sumexp'][n][r]:.2g}",
+                    ha="center",
                     va="center", fontsize=draw.SMALL, color=draw.rank_color(r))
         m, total = max(data["max"][n]), sum(data["sumexp"][n])
         target = data["logits"][n][data["targets"][n]] - m
         for k, value in enumerate((f"{m:.1f}", f"{total:.3f}", f"{target:.2f}", f"{data['loss'][n]:.3f}")):
-            ax.text(x + 0.3 + 1.3 * k, y, value, ha="center", va="center", fontsize=draw.SMALL)
+            ax.text(x + sw * (k + 0.5), y, value, ha="center", va="center", fontsize=draw.SMALL)
     ax.text(0, tokens + 0.2, f"Outlined: each token's target (its owner alone contributes z_y); hatched: "
             f"padding to {cols} = {t}·{width}, −∞. Per rank: its max m_r,\n"
             "then Σ exp(z − m) over its ids. "
@@ -227,6 +231,7 @@ def vocab_ce_draw(data: dict):
             "loss = log Σ − (z_y − m)", ha="left", va="top", fontsize=draw.SMALL)
     ax.set_title(f"Vocab-parallel cross-entropy, V = {data['vocab']} over TP {t}: the logits stay split",
                  loc="left")
+    fig.subplots_adjust(left=0.08, right=0.99)
     return fig
 
 
@@ -271,7 +276,8 @@ def sp_regions_draw(data: dict):
             label = step["label"] + ("\n(weight grad summed)" if step["comm"] == "grad all-reduce" else "")
             ax.text(x0 + 1.0, -0.95, label, ha="center", va="center", fontsize=draw.SMALL)
             if step["comm"] and step["comm"] != "grad all-reduce":
-                ax.text(x0 - 0.5, -0.3, step["comm"], ha="center", va="center", fontsize=draw.SMALL, rotation=0,
+                ax.text(x0 - 0.5, -0.3, step["comm"], ha="center", va="center", fontsize=draw.SMALL,
+                        rotation=0,
                         color=draw.KIND_COLORS["reduce"], fontweight="bold")
             for r in range(t):
                 ax.text(-0.2, r + 0.4, f"r{r}", ha="right", va="center", fontsize=draw.SMALL,
@@ -332,8 +338,10 @@ def sp_memory_draw(data: dict):
         ax.text(x, bottom + 0.2, f"{bottom:.1f}", ha="center", fontsize=draw.SMALL)
     ax.set_xticks(xs, [f"t={b['t']}\n{'SP' if b['sp'] else 'TP'}" for b in data["bars"]], fontsize=draw.SMALL)
     ax.set_ylabel("saved bytes / (s·b·h·e), one block, one rank")
-    ax.legend(reversed(ax.get_legend_handles_labels()[0]), reversed(names), fontsize=draw.SMALL, loc="upper left",
-              bbox_to_anchor=(1.0, 1.0), title="term (formulas.layer_activation_terms)", title_fontsize=draw.SMALL)
+    ax.legend(reversed(ax.get_legend_handles_labels()[0]), reversed(names), fontsize=draw.SMALL,
+              loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), title="term (formulas.layer_activation_terms)",
+              title_fontsize=draw.SMALL)
     fig.subplots_adjust(right=0.6)
     ax.set_title(f"Activations one block saves per rank ({data['model']}, s = {data['s']}, b = {data['b']}, "
                  f"e = {data['e']})\nTP divides the column/row tensors by t; SP also the norm regions",

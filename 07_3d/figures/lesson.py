@@ -208,7 +208,7 @@ def step_draw(data: dict):
     acts, peers, sizes = data["actions"], data["peers"], data["sizes"]
     dims = [d for d in ("tp", "cp", "dp_cp", "pp") if len(peers[d]) > 1]
     zoom = [next(a for a in acts if a["kind"] == "F"), next(a for a in acts if a["kind"] != "F")]
-    per_row = 11
+    per_row = 9
     rows = sum(math.ceil(len(a["ops"]) / per_row) for a in zoom)
     fig, (top, bottom) = draw.figure(height=0.32 * (len(dims) + 1) + 1.0 + 0.36 * rows + 1.3, nrows=2,
                                      gridspec_kw={"height_ratios": [0.32 * (len(dims) + 1) + 0.5,

@@ -50,8 +50,8 @@ def published_ratio_draw(data: dict):
     ax.set_ylim(len(runs) - 0.5, -0.5)
     ax.set_xlim(0, 1.6)
     mem.set_xlim(0, 1.2)
-    ax.set_xlabel("predicted / published (tokens/s or the source's TFLOP/s per GPU)")
-    mem.set_xlabel("memory priced / the GPU's (◆ measured)")
+    ax.set_xlabel("predicted / published\n(tokens/s or the source's TFLOP/s per GPU)")
+    mem.set_xlabel("memory priced / the GPU's\n(◆ measured)")
     ax.set_title(f"Each published run at its own layout and recipe: the grey band is ±{band:.0%}; "
                  f"hatched: FP8 (bf16 peak)", loc="left", fontsize=9)
     mem.set_title("and what it holds per GPU", loc="left", fontsize=9)

@@ -1,6 +1,7 @@
 """What every figure shares: one look (fonts, colours per rank, sizes readable on GitHub: the rule
-and its check are legible.py), and the three shapes most of the course is drawn with: boxes on a grid (shards, blocks, ranks), arrows
-between them (messages), and timelines (one lane per rank, a bar per action).
+and its check are legible.py), and the three shapes most of the course is drawn with: boxes on a
+grid (shards, blocks, ranks), arrows between them (messages), and timelines (one lane per rank, a
+bar per action).
 
 matplotlib is imported here and in the figure modules only; no core file needs it.
 """
@@ -73,13 +74,26 @@ def saved_width(fig) -> float:
     return fig.get_tightbbox().width + 2 * plt.rcParams["savefig.pad_inches"]
 
 
-def wrap_titles(fig) -> None:
+def wrap_titles(fig, originals: dict | None = None) -> dict:
     """Break a title that runs past the figure's right edge, or into the next axes' title, into
-    lines that fit (a long title must not widen the image or overrun its neighbour)."""
+    lines that fit (a long title must not widen the image or overrun its neighbour). Returns each
+    title's text as drawn; pass it back to re-break them after the axes moved."""
     import textwrap
 
+    originals = originals if originals is not None else {}
     renderer = fig.canvas.get_renderer()
     right_edge = fig.bbox.x1
+
+    def wrap(title, room: float) -> None:
+        text = originals.setdefault(title, title.get_text())
+        title.set_text(text)
+        width = title.get_window_extent(renderer).width
+        if text and width > room:
+            chars = max(int(max(map(len, text.split("\n"))) * max(room, 1.0) / width), 20)
+            title.set_text("\n".join(textwrap.fill(line, chars) for line in text.split("\n")))
+
+    if fig._suptitle is not None:
+        wrap(fig._suptitle, fig.bbox.width - 16)
     for ax in fig.axes:
         box = ax.get_position()
         neighbours = [o.get_window_extent().x0 for o in fig.axes if o is not ax and o.get_visible()
@@ -87,13 +101,8 @@ def wrap_titles(fig) -> None:
                       and o.get_position().y1 > box.y0]
         limit = min(neighbours, default=right_edge) - 8
         for title in (ax.title, ax._left_title, ax._right_title):
-            text = title.get_text()
-            extent = title.get_window_extent(renderer)
-            if not text or extent.x1 <= limit:
-                continue
-            room = max(limit - extent.x0, 1.0)
-            chars = max(int(max(map(len, text.split("\n"))) * room / extent.width), 20)
-            title.set_text("\n".join(textwrap.fill(line, chars) for line in text.split("\n")))
+            wrap(title, limit - title.get_window_extent(renderer).x0)
+    return originals
 
 
 def fit(fig) -> None:
@@ -101,6 +110,16 @@ def fit(fig) -> None:
     axes) back inside WIDTH: its axes narrow, its text keeps its size."""
     if saved_width(fig) > WIDTH + 2 * PAD + 0.01:
         fig.tight_layout()
+
+
+def clear_suptitle(fig) -> None:
+    """Move the axes down when the figure's title (grown by wrap_titles) reaches into them."""
+    if fig._suptitle is None or not fig._suptitle.get_text():
+        return
+    renderer = fig.canvas.get_renderer()
+    bottom = fig._suptitle.get_window_extent(renderer).y0 - 4
+    if max(ax.get_tightbbox(renderer).y1 for ax in fig.axes) > bottom:
+        fig.tight_layout(rect=(0, 0, 1, bottom / fig.bbox.height))
 
 
 def finish(fig) -> None:
@@ -114,9 +133,11 @@ def finish(fig) -> None:
                 base = axis.get_transform().base
                 axis.set_major_formatter(FuncFormatter(_power_label(base)))
                 axis.set_minor_formatter(NullFormatter())
-    wrap_titles(fig)
+    drawn = wrap_titles(fig)
     fit(fig)
-    wrap_titles(fig)
+    wrap_titles(fig, drawn)
+    clear_suptitle(fig)
+    wrap_titles(fig, drawn)
 
 
 def rank_color(rank: int) -> str:
