@@ -49,15 +49,16 @@ def ring_steps_draw(data: dict):
     cell, gap, h = 1.0, 1.1, 0.72  # a chunk's square; the link between two ranks; a row's cells
     rank_w = n * cell + gap
     right = n * rank_w
-    fig, ax = draw.figure(height=0.36 * len(steps) + 1.5, width=draw.WIDTH * max(1.0, n / 5))
+    fig, ax = draw.figure(height=0.36 * len(steps) + 1.5)
     draw.blank(ax, (-4.6, right + 0.1), (-1.3, len(steps) + 0.2))
-    fs = max(draw.SMALL, min(8.0, 30.0 / n))  # wider when n grows (width above), never below SMALL
+    fs = max(draw.SMALL, min(8.0, 30.0 / n))
     for r in range(n):
         x = r * rank_w
         ax.text(x + n * cell / 2, -1.0, f"rank {r}", ha="center", va="center",
                 color=draw.rank_color(r), fontweight="bold")
         for c in range(n):
-            ax.text(x + c * cell + cell * 0.46, -0.35, f"c{c}", ha="center", va="center", fontsize=fs,
+            name = f"c{c}" if n <= 5 else str(c)  # "c" + two digits overlap their cell past 5 ranks
+            ax.text(x + c * cell + cell * 0.46, -0.35, name, ha="center", va="center", fontsize=fs,
                     color="#666666")
     for row, step in enumerate(steps):
         ax.text(-gap - 0.1, row + h / 2, step["label"], ha="right", va="center", fontsize=8)
