@@ -45,6 +45,7 @@ BUDGET_S: dict[str, tuple[tuple[str, ...], float]] = {
     "common (model, harness, loop)": (("test_common.py", "test_model.py", "test_harness.py",
                                       "test_gpu_check.py", "test_training_loop.py",
                                       "test_construction.py", "test_copy_sets.py", "test_figures.py",
+                                      "test_figures_legible.py",
                                       "test_clip.py", "test_torch_names.py", "test_mesh.py",
                                       "test_patch.py", "test_floors.py"), 65),
     "01 data parallel": (("test_data_parallel*.py", "test_ddp_mechanics.py"), 15),

@@ -15,7 +15,7 @@ from common.kernel.optimizer_bytes import optimizer_state_bytes
 from data_parallel.ddp import assign_buckets
 from data_parallel.train import overlap_tokens
 
-GB, MiB = 1e9, 2**20
+GB, MiB, SMALL = 1e9, 2**20, draw.SMALL
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,7 +70,7 @@ def dp_step_draw(data: dict):
     for row in range(B):
         r = owner.get(row)
         draw.box(ax, row * cell, 0, cell * 0.95, 0.6, f"{row}",
-                 color="#EEEEEE" if r is None else draw.rank_color(r), alpha=0.45, fontsize=7.5)
+                 color="#EEEEEE" if r is None else draw.rank_color(r), alpha=0.45, fontsize=draw.SMALL)
     slot = width / n
     for r in range(n):
         x = r * slot + 0.12
@@ -81,11 +81,11 @@ def dp_step_draw(data: dict):
         text = (f"rank {r}: full model\nrows {', '.join(map(str, mine))} "
                 f"({len(data['rows'][r])} micro-batch{'es' if len(data['rows'][r]) != 1 else ''})\n"
                 f"local gradient g{r}\n‖g{r}‖ = {data['grad_norms'][r]:.4f}")
-        draw.box(ax, x, 1.35, slot - 0.24, 1.7, text, color=draw.rank_color(r), alpha=0.2, fontsize=7.5)
+        draw.box(ax, x, 1.35, slot - 0.24, 1.7, text, color=draw.rank_color(r), alpha=0.2, fontsize=SMALL)
         draw.arrow(ax, (x + slot / 2 - 0.12, 3.1), (x + slot / 2 - 0.12, 3.65), color="#333333")
         draw.arrow(ax, (x + slot / 2 - 0.12, 4.55), (x + slot / 2 - 0.12, 5.1), color="#333333")
         draw.box(ax, x, 5.15, slot - 0.24, 1.0, "AdamW step with g:\nthe same weights everywhere",
-                 color="#CC79A7", alpha=0.25, fontsize=7.5)
+                 color="#CC79A7", alpha=0.25, fontsize=draw.SMALL)
     terms = " + ".join(f"g{r}" for r in range(n)) if n <= 6 else f"g0 + … + g{n - 1}"
     draw.box(ax, 0.12, 3.7, width - 0.24, 0.8,
              f"all-reduce (SUM), then ÷ {n}:   g = ({terms}) / {n}   on every rank,   ‖g‖ = "
@@ -94,7 +94,8 @@ def dp_step_draw(data: dict):
                else "≠ one device's gradient on all rows ✗")
     ax.text(0, 6.75, f"g {verdict}", fontsize=8.5, va="center")
     ax.text(0, 7.3, f"float64 `tiny` LLaMA with 2 layers ({data['params']:,} parameters), played in one "
-            "process; rows from common.data.local_micro_batches", fontsize=7.5, color="#555555", va="center")
+            "process; rows from common.data.local_micro_batches", fontsize=draw.SMALL, color="#555555",
+            va="center")
     ax.set_title(f"One data-parallel step on {n} ranks: each its rows, one all-reduce, the same update",
                  loc="left")
     fig.subplots_adjust(left=0.01, right=0.99, top=0.93, bottom=0.02)
@@ -151,11 +152,11 @@ def memory_draw(data: dict):
         for part, gb in [*main[key].items(), ("activations", act)]:
             left.barh(i, gb, left=x, color=MEMORY_COLORS[part], edgecolor="#333333", linewidth=0.5)
             if gb > 9:
-                left.text(x + gb / 2, i, f"{gb:.1f}", ha="center", va="center", fontsize=7)
+                left.text(x + gb / 2, i, f"{gb:.1f}", ha="center", va="center", fontsize=draw.SMALL)
             x += gb
         left.text(x + 2, i, f"{x:.1f} GB", va="center", fontsize=8, fontweight="bold")
     left.axvline(80, color="#D55E00", ls="--", lw=1)
-    left.text(81, 2.45, "80 GB: one GPU", color="#D55E00", fontsize=7.5, va="center")
+    left.text(81, 2.45, "80 GB: one GPU", color="#D55E00", fontsize=draw.SMALL, va="center")
     left.set_yticks(range(len(readings)), [r[0] for r in readings], fontsize=8)
     left.set_xlabel("GB per replica")
     left.set_xlim(0, 175)
@@ -166,13 +167,13 @@ def memory_draw(data: dict):
             seen.setdefault(MEMORY_COLORS[part], part)
     seen[MEMORY_COLORS["activations"]] = f"activations (the article's ~{act:.0f} GB)"
     left.legend(handles=[Patch(facecolor=c, edgecolor="#333333", label=p) for c, p in seen.items()],
-                fontsize=7, loc="upper center", bbox_to_anchor=(0.4, -0.18), ncol=3)
+                fontsize=draw.SMALL, loc="upper center", bbox_to_anchor=(0.4, -0.18), ncol=3)
     left.set_title(f"{data['model']}, P = {main['P']:,}: what one replica holds", loc="left", fontsize=9)
     names = list(data["others"])
     right.barh(range(len(names)), [data["others"][m] for m in names], color="#CC79A7", edgecolor="#333333",
                linewidth=0.5)
     for i, m in enumerate(names):
-        right.text(data["others"][m] * 1.15, i, f"{data['others'][m]:,.1f} GB", va="center", fontsize=7.5)
+        right.text(data["others"][m] * 1.15, i, f"{data['others'][m]:,.1f} GB", va="center", fontsize=SMALL)
     right.axvline(80, color="#D55E00", ls="--", lw=1)
     right.set_xscale("log")
     right.set_xlim(10, 1e5)
@@ -247,7 +248,7 @@ def buckets_draw(data: dict):
                 w = sum(b for _, b in bucket) / total
                 ax.add_patch(Rectangle((x, y), w, 0.5, fill=False, edgecolor="#000000", linewidth=1.2))
                 text = f"bucket {i}\n{w * total / MiB:.2f} MiB" if w > 0.09 else str(i)
-                ax.text(x + w / 2, y - 0.05, text, ha="center", va="bottom", fontsize=6.5)
+                ax.text(x + w / 2, y - 0.05, text, ha="center", va="bottom", fontsize=draw.SMALL)
                 x += w
             spans: dict[str, list[float]] = {}
             x = 0.0
@@ -256,15 +257,16 @@ def buckets_draw(data: dict):
                 x += size[name] / total
             for layer, (a, b) in spans.items():
                 if b - a > 0.02:
-                    ax.text((a + b) / 2, y + 0.62, layer, ha="center", va="top", fontsize=6, color="#555555")
+                    ax.text((a + b) / 2, y + 0.62, layer, ha="center", va="top", fontsize=SMALL,
+                            color="#555555")
         else:
             for i, bucket in enumerate(buckets):  # the point its all-reduce could start
                 at = max(done[name] for name, _ in bucket)
                 ax.plot([at], [y + 0.6], marker="^", color=draw.rank_color(i), markeredgecolor="#000000",
                         markersize=6)
-                ax.text(at, y + 0.72, str(i), ha="center", va="top", fontsize=6.5)
+                ax.text(at, y + 0.72, str(i), ha="center", va="top", fontsize=draw.SMALL)
     ax.text(0, 2.6, "▲ i: bucket i's last gradient has landed, so its all-reduce can be posted (in index "
-            "order); width ∝ bytes", fontsize=7.5, color="#333333", va="center")
+            "order); width ∝ bytes", fontsize=draw.SMALL, color="#333333", va="center")
     ax.set_title(f"DDP's buckets: `{data['model']}`'s {data['tensors']} tensors at a {data['cap_mb']:g} MiB "
                  "cap (assign_buckets), and when each fills", loc="left")
     return fig
@@ -320,13 +322,13 @@ def _timelines(ax, rows: list[dict]) -> None:
             bars.append(draw.Bar(lane + 1, b["start"], b["end"], color,
                                  str(b["bucket"]) if b["end"] - b["start"] > 0.04 and not per_tensor else ""))
         bars.append(draw.Bar(lane, row["end"], row["end"] + 0.06, "optimizer", "step"))
-    lanes = [name for row in rows for name in (row["label"], "all-reduce")]
+    lanes = [name for row in rows for name in (row["label"].replace(": ", "\n", 1), "all-reduce")]
     draw.timeline(ax, bars, lanes, unit="time, in units of one backward pass")
     ax.axvline(1.0, color="#333333", lw=0.8, ls="--")
     for k, row in enumerate(rows):
         exposed = row["end"] - 1.0
         ax.text(row["end"] + 0.08, 2 * k, f"backward + {exposed:.2g} exposed" if exposed > 1e-9
-                else "all hidden", va="center", fontsize=7.5)
+                else "all hidden", va="center", fontsize=draw.SMALL)
     ax.set_xlim(0, max(r["end"] for r in rows) + 0.55)
 
 

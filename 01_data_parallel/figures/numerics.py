@@ -42,10 +42,10 @@ def formats_draw(data: dict):
         left.barh(i, lg["smallest_normal"] - lg["smallest_subnormal"], left=lg["smallest_subnormal"],
                   color=color, alpha=0.3, height=0.6)
         left.barh(i, lg["max"] - lg["smallest_normal"], left=lg["smallest_normal"], color=color, height=0.6)
-        left.text(lg["max"] + 3, i, f"max {f['max']:.4g}", va="center", fontsize=7.5)
+        left.text(lg["max"] + 3, i, f"max {f['max']:.4g}", va="center", fontsize=draw.SMALL)
         right.barh(i, -lg["eps"], color=color, height=0.6)
         right.text(-lg["eps"] + 0.5, i, f"2^{lg['eps']:.0f}  ({f['mantissa_bits']} stored bits)", va="center",
-                   fontsize=7.5)
+                   fontsize=draw.SMALL)
     for ax in (left, right):
         ax.set_yticks(range(len(names)),
                       [f"{n} (e{data['formats'][n]['exponent_bits']}m{data['formats'][n]['mantissa_bits']})"
@@ -115,15 +115,16 @@ def bf16_updates_draw(data: dict):
     left.set(xscale="log", xlabel="learning rate (the same AdamW direction)", ylabel="% of elements unmoved")
     left.invert_xaxis()
     left.set_ylim(-3, 103)
-    left.legend(fontsize=7.5, loc="upper left")
+    left.legend(fontsize=draw.SMALL, loc="upper left")
     left.set_title("One step's update kept in bf16 without a master", loc="left", fontsize=9)
     steps = range(data["steps"] + 1)
     for i, (label, values) in enumerate(data["rows"].items()):
         right.plot(steps, values, "o-" if i else "-", color=draw.rank_color(i), label=label, ms=3)
     right.axhline(data["half_ulp_at_1"], color="#555555", ls="--", lw=0.8)
-    right.text(0, data["half_ulp_at_1"] * 1.05, "half of bf16's ulp at 1 (2⁻⁸)", fontsize=7.5, va="bottom")
+    right.text(0, data["half_ulp_at_1"] * 1.05, "half of bf16's ulp at 1 (2⁻⁸)", fontsize=draw.SMALL,
+               va="bottom")
     right.set(xlabel="step", ylabel="mean |θ − 1| of the RMSNorm weights")
-    right.legend(fontsize=7.5, loc="center right")
+    right.legend(fontsize=draw.SMALL, loc="center right")
     right.set_title(f"A real run of tiny, AdamW at lr {data['lr']:g}", loc="left", fontsize=9)
     fig.tight_layout()
     return fig
@@ -180,9 +181,9 @@ def fp16_scaling_draw(data: dict):
              (data["normal"], "smallest normal", "#E69F00"), (data["max"], "max 65504", "#D55E00"))
     for x, text, color in marks:
         left.axvline(x, color=color, ls="--", lw=0.9)
-        left.text(x + 0.3, max(hist) * 0.95, text, rotation=90, va="top", fontsize=7.5, color=color)
+        left.text(x + 0.3, max(hist) * 0.95, text, rotation=90, va="top", fontsize=draw.SMALL, color=color)
     left.set(xlabel="log₂ |g|", ylabel="gradient elements")
-    left.legend(fontsize=7.5, loc="upper left")
+    left.legend(fontsize=draw.SMALL, loc="upper left")
     left.set_title(f"tiny's gradients of loss / {round(1 / data['loss_factor'])}: "
                    f"{100 * data['flushed']:.0f}% flush to 0 in fp16,\n"
                    f"{100 * data['flushed_scaled']:.1f}% after × 2^{s}", loc="left", fontsize=8.5)

@@ -49,15 +49,16 @@ def ring_steps_draw(data: dict):
     cell, gap, h = 1.0, 1.1, 0.72  # a chunk's square; the link between two ranks; a row's cells
     rank_w = n * cell + gap
     right = n * rank_w
-    fig, ax = draw.figure(height=0.36 * len(steps) + 1.5, width=draw.WIDTH * max(1.0, n / 5))
+    fig, ax = draw.figure(height=0.36 * len(steps) + 1.5)
     draw.blank(ax, (-4.6, right + 0.1), (-1.3, len(steps) + 0.2))
-    fs = min(8.0, 30.0 / n)
+    fs = max(draw.SMALL, min(8.0, 30.0 / n))
     for r in range(n):
         x = r * rank_w
         ax.text(x + n * cell / 2, -1.0, f"rank {r}", ha="center", va="center",
                 color=draw.rank_color(r), fontweight="bold")
         for c in range(n):
-            ax.text(x + c * cell + cell * 0.46, -0.35, f"c{c}", ha="center", va="center", fontsize=fs * 0.85,
+            name = f"c{c}" if n <= 5 else str(c)  # "c" + two digits overlap their cell past 5 ranks
+            ax.text(x + c * cell + cell * 0.46, -0.35, name, ha="center", va="center", fontsize=fs,
                     color="#666666")
     for row, step in enumerate(steps):
         ax.text(-gap - 0.1, row + h / 2, step["label"], ha="right", va="center", fontsize=8)
@@ -78,13 +79,13 @@ def ring_steps_draw(data: dict):
             for x in xs:  # the link r → r+1 (the last one wraps round to rank 0's left)
                 ax.annotate("", xy=(x + 0.42, row + h / 2), xytext=(x - 0.42, row + h / 2),
                             arrowprops={"arrowstyle": "-|>", "color": draw.rank_color(chunk), "lw": 1.6})
-                ax.text(x, row + h / 2 - 0.2, f"c{chunk}", ha="center", va="bottom", fontsize=fs * 0.85,
+                ax.text(x, row + h / 2 - 0.2, f"c{chunk}", ha="center", va="bottom", fontsize=fs,
                         color=draw.rank_color(chunk), fontweight="bold")
     ax.set_title(f"Ring all-reduce on {n} ranks, step by step", loc="left")
     fig.text(0.01, 0.01, "Each row: every rank's copy of each chunk c after that step, with the number "
              "of ranks it sums (Σ: all n).\nArrow between two ranks: the chunk sent over that link during "
              "the step (rank n−1's link wraps to rank 0); outlined: the copy it updated.",
-             fontsize=7.5, color="#333333", va="bottom")
+             fontsize=draw.SMALL, color="#333333", va="bottom")
     fig.subplots_adjust(left=0.01, right=0.99, top=0.92, bottom=0.1)
     return fig
 
@@ -126,7 +127,7 @@ def ring_bytes_draw(data: dict):
     ax.plot(ns, [r["naive_other_sends"] for r in rows], ":", color="#999999",
             label="naive: each other rank sends S")
     ax.axhline(2, color="#0072B2", lw=0.8, alpha=0.4)
-    ax.text(ns[-1], 2.15, "2·S: the ring never reaches it", ha="right", va="bottom", fontsize=7.5,
+    ax.text(ns[-1], 2.15, "2·S: the ring never reaches it", ha="right", va="bottom", fontsize=draw.SMALL,
             color="#0072B2")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
@@ -138,7 +139,7 @@ def ring_bytes_draw(data: dict):
     ax.set_ylabel("bytes per all-reduce / S")
     ax.set_title("One root is a bottleneck: its link's bytes grow like n, the ring's stay below 2·S",
                  loc="left")
-    ax.legend(fontsize=7.5, loc="upper left")
+    ax.legend(fontsize=draw.SMALL, loc="upper left")
     ax.grid(alpha=0.25, which="both")
     return fig
 
@@ -188,14 +189,16 @@ def alpha_beta_draw(data: dict):
     star, half = data["crossover"][str(n)], data["half"]
     left.axvline(star, color="#333333", ls="--", lw=0.8)
     at = left.get_xaxis_transform()  # x in bytes, y in axes fraction
-    left.text(star * 1.15, 0.72, f"S* = {_size_label(star)}:\nnaive faster below", fontsize=7.5, va="top",
+    left.text(star * 1.15, 0.72, f"S* = {_size_label(star)}:\nnaive faster below", fontsize=draw.SMALL,
+              va="top",
               transform=at)
     left.axvline(half, color="#0072B2", ls=":", lw=0.8)
-    left.text(half * 1.15, 0.04, f"S½ = {_size_label(half)}:\nthe ring's two terms\nare equal", fontsize=7.5,
+    left.text(half * 1.15, 0.04, f"S½ = {_size_label(half)}:\nthe ring's two terms\nare equal",
+              fontsize=draw.SMALL,
               color="#0072B2", va="bottom", transform=at)
     left.set(xscale="log", yscale="log", xlabel="all-reduce size S", ylabel="time (µs)")
     left.set_title(f"n = {n}: T = latencies·α + bytes·β", loc="left")
-    left.legend(fontsize=7.5, loc="upper left")
+    left.legend(fontsize=draw.SMALL, loc="upper left")
     left.grid(alpha=0.25, which="major")
     for i, (k, t) in enumerate(data["per_n"].items()):
         ratio = [a / b for a, b in zip(t["naive"], t["ring"], strict=True)]
@@ -207,7 +210,7 @@ def alpha_beta_draw(data: dict):
     for ax in (left, right):
         ax.set_xticks(ticks, [_size_label(t).replace(".0", "") for t in ticks])
         ax.minorticks_off()
-    right.legend(fontsize=7.5, loc="upper left")
+    right.legend(fontsize=draw.SMALL, loc="upper left")
     right.grid(alpha=0.25, which="major")
     fig.suptitle(f"The alpha-beta model: α = {data['alpha_us']:g} µs a message, 1/β = "
                  f"{data['bandwidth_gbs']:g} GB/s (cost_model.py)", x=0.01, ha="left", fontsize=10,
@@ -255,7 +258,8 @@ def ring_plan_draw(data: dict):
                 fontweight="bold")
         for g, group in enumerate(groups[str(r)]):
             text = "\n".join(f"{'→' if o['kind'] == 'send' else '←'}{o['peer']} {o['what']}" for o in group)
-            draw.box(ax, g + 0.04, r, 0.92, 0.84, text, color=PHASE_COLORS[group[0]["phase"]], fontsize=6.5)
+            draw.box(ax, g + 0.04, r, 0.92, 0.84, text, color=PHASE_COLORS[group[0]["phase"]],
+                     fontsize=draw.SMALL)
     verdict = "no deadlock" if data["deadlock"] is None else data["deadlock"]
     ax.text(-1.3, -1.45, f"n = {n}, {data['length']} elements in chunks {data['chunks']}, segments of "
             f"{data['segment']} elements · find_deadlock under NCCL's rules: {verdict}", fontsize=8,
@@ -265,7 +269,7 @@ def ring_plan_draw(data: dict):
         ax.text(-0.9 + i * 2.2, -0.75, phase, va="center", fontsize=8)
     ax.set_title("ring_plan: every rank's P2P groups of one all-reduce, in issue order", loc="left")
     fig.text(0.01, 0.01, "A box is one batch_isend_irecv group: →p sends to rank p, ←p receives from rank p; "
-             "c1[0:2]: elements 0 and 1 of chunk 1 (one segment).", fontsize=7.5, color="#333333")
+             "c1[0:2]: elements 0 and 1 of chunk 1 (one segment).", fontsize=draw.SMALL, color="#333333")
     fig.subplots_adjust(left=0.01, right=0.99, top=0.9, bottom=0.1)
     return fig
 

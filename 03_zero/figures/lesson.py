@@ -74,7 +74,8 @@ def legend(ax, x: float, y: float, step: float, h: float = 0.2) -> None:
     for j, (kind, color) in enumerate([*TENSOR_COLORS.items(), ("padding", None)]):
         draw.box(ax, x + j * step, y, 0.12 * step, h, color=color or "#FFFFFF",
                  edge="#000000" if color is None else "#FFFFFF", hatch=None if color else "xxxx")
-        ax.text(x + j * step + 0.16 * step, y + h / 2, kind.replace("_", " "), va="center", fontsize=7)
+        ax.text(x + j * step + 0.16 * step, y + h / 2, kind.replace("_", " "), va="center",
+                fontsize=draw.SMALL)
 
 
 def stages_draw(data: dict):
@@ -88,12 +89,13 @@ def stages_draw(data: dict):
     scale = width / padded  # the strip on top spans every rank's cells
     flat_strip(ax, data["tensors"], padded, -1.4, 0.28, scale)
     for r, (start, size) in enumerate(ranks):
-        draw.box(ax, start * scale, -1.08, size * scale, 0.22, f"rank {r}: [{start:,}, {start + size:,})",
-                 color=draw.rank_color(r), alpha=0.85, fontsize=6.5, textcolor="#FFFFFF", edge="#FFFFFF")
+        draw.box(ax, start * scale, -1.08, size * scale, 0.22, f"r{r}: [{start:,}, {start + size:,})",
+                 color=draw.rank_color(r), alpha=0.85, fontsize=draw.SMALL, textcolor="#FFFFFF",
+                 edge="#FFFFFF")
     pad = padded - data["psi"]
-    ax.text(-0.05, -1.15, f"flat buffer,\nΨ = {data['psi']:,}", ha="right", va="center", fontsize=7.5)
+    ax.text(-0.05, -1.15, f"flat buffer,\nΨ = {data['psi']:,}", ha="right", va="center", fontsize=draw.SMALL)
     ax.text(width + 0.05, -1.26, f"{pad} padding\nelement{'s' if pad != 1 else ''}" if pad else
-            f"no padding:\n{n} divides Ψ", ha="left", va="center", fontsize=7.5)
+            f"no padding:\n{n} divides Ψ", ha="left", va="center", fontsize=draw.SMALL)
     total0 = stages[0]["bytes_per_rank"][0]
     for row, st in enumerate(stages):
         y0 = row * row_h - 0.6
@@ -102,12 +104,12 @@ def stages_draw(data: dict):
         y = y0 + 0.08
         ax.text(-0.05, y + 0.85 * (per_element["params"] + per_element["grads"]) / unit / 2,
                 f"params {per_element['params']} B,\ngrads {per_element['grads']} B", ha="right", va="center",
-                fontsize=6.5, color="#555555")
+                fontsize=draw.SMALL, color="#555555")
         for kind in KINDS:
             h = 0.85 * per_element[kind] / unit
             if kind == "optimizer":
                 ax.text(-0.05, y + h / 2, f"optimizer\n{per_element[kind]} B", ha="right", va="center",
-                        fontsize=6.5, color="#555555")
+                        fontsize=draw.SMALL, color="#555555")
             for r, (start, size) in enumerate(ranks):
                 x = r * (cell + gap)
                 draw.box(ax, x, y, cell, h, color="#FFFFFF", edge="#BBBBBB")
@@ -117,7 +119,7 @@ def stages_draw(data: dict):
             y += h
         held = st["bytes_per_rank"][0]
         ax.text(width + 0.05, y0 + 0.5, f"{held / 1e6:.2f} MB\nper rank,\n{held / total0:.2f}× stage 0",
-                ha="left", va="center", fontsize=7.5)
+                ha="left", va="center", fontsize=draw.SMALL)
     legend(ax, 0, len(stages) * row_h - 0.45, width / 5)
     ax.set_title(f"ZeRO on {data['model']}, N = {n}: each rank owns one slice of the flat buffer; what it "
                  "keeps at each stage (area = bytes)", loc="left")
@@ -159,12 +161,13 @@ def buckets_draw(data: dict):
         flat_strip(ax, b["tensors"], b["padded"], i, 0.42, scale)
         for r, (start, size) in enumerate(b["slices"]):
             draw.box(ax, start * scale, i + 0.46, size * scale, 0.2, f"rank {r}",
-                     color=draw.rank_color(r), alpha=0.85, fontsize=6, textcolor="#FFFFFF", edge="#FFFFFF")
-        ax.text(-0.01, i + 0.33, f"bucket {i}", ha="right", va="center", fontsize=7.5)
+                     color=draw.rank_color(r), alpha=0.85, fontsize=draw.SMALL, textcolor="#FFFFFF",
+                     edge="#FFFFFF")
+        ax.text(-0.01, i + 0.33, f"bucket {i}", ha="right", va="center", fontsize=draw.SMALL)
         pad = b["padded"] - b["numel"]
         ax.text(b["padded"] * scale + 0.012, i + 0.33,
                 f"{len(b['tensors'])} tensors, {b['numel']:,} + {pad} padding", ha="left", va="center",
-                fontsize=7)
+                fontsize=draw.SMALL)
     legend(ax, 0, -0.5, 0.2, h=0.25)
     ax.set_title(f"reduce_bucket_size = {data['bucket']:,} on {data['model']}, N = {n}: every bucket is "
                  f"its own flat buffer, padded to a multiple of {n} and cut into {n} slices",
@@ -192,13 +195,14 @@ def memory_draw(data: dict):
         ax.plot(ns, st["gb"], "o-", color=color, label=STAGE_LABEL[st["stage"]], ms=4)
         if 0 < st["stage"] < 3:
             ax.axhline(st["limit_gb"], color=color, ls=":", lw=0.8)
-            ax.text(ns[-1], st["limit_gb"] * 1.08, f"limit {st['limit_gb']:.0f} GB", ha="right", fontsize=7,
+            ax.text(ns[-1], st["limit_gb"] * 1.08, f"limit {st['limit_gb']:.0f} GB", ha="right",
+                    fontsize=draw.SMALL,
                     color=color)
     ax.axhline(80, color="#555555", ls="--", lw=0.8)
-    ax.text(ns[-1], 68, "one 80 GB GPU", ha="right", va="top", fontsize=7, color="#555555")
+    ax.text(ns[-1], 68, "one 80 GB GPU", ha="right", va="top", fontsize=draw.SMALL, color="#555555")
     ax.set(xscale="log", yscale="log", xlabel="GPUs (N)", ylabel="GB per GPU, before activations")
     ax.set_xticks(ns, [str(n) for n in ns])
-    ax.legend(fontsize=7, loc="lower left")
+    ax.legend(fontsize=draw.SMALL, loc="lower left")
     ax.set_title(f"Ψ = {data['psi'] / 1e9:g}B parameters at {data['per_element']} bytes each: only stage 3 "
                  "keeps falling as N grows", loc="left")
     return fig
@@ -220,10 +224,10 @@ def comm_draw(data: dict):
     for s, ratios in enumerate(data["stages"]):
         xs = [i + (s - 1.5) * width for i in range(len(ks))]
         bars = ax.bar(xs, ratios, width * 0.92, color=draw.rank_color(s), label=STAGE_LABEL[s])
-        ax.bar_label(bars, [f"{v:g}" for v in ratios], fontsize=6.5, padding=1)
+        ax.bar_label(bars, [f"{v:g}" for v in ratios], fontsize=draw.SMALL, padding=1)
     ax.set_xticks(range(len(ks)), [f"k = {k} micro-batch{'es' if k > 1 else ''}" for k in ks])
     ax.set_ylabel(f"bytes per step / plain DP's\n(Ψ = {data['psi'] / 1e9:g}B: DP = {data['dp_gb']:.1f} GB)")
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=draw.SMALL, loc="upper left")
     ax.set_title(f"Bytes per rank and step over plain DP's (N = {data['n']}, accounted): stages 1-2 send "
                  "DP's, stage 3 1.5×;\nwith k micro-batches, stages 2-3 reduce-scatter in every one "
                  "(stages 0-1 keep full gradients and reduce once)", loc="left", fontsize=9)
@@ -312,28 +316,34 @@ def config_data(model: str = "small", n: int = 4) -> dict:
 
 def config_draw(data: dict):
     rows = data["rows"]
-    fig, ax = draw.figure(height=0.27 * len(rows) + 0.8, width=10)
-    draw.blank(ax, (0, 10), (-1.0, len(rows)))
+    effects = [a if a == b else f"{a} /\n{b}" if len(a) + len(b) > 40 else f"{a} / {b}"
+               for a, b in (row["effects"] for row in rows)]
+    tops = [0.0]
+    for text in effects:
+        tops.append(tops[-1] + (1.6 if "\n" in text else 1.0))
+    fig, ax = draw.figure(height=0.27 * tops[-1] + 0.8)
+    draw.blank(ax, (0, 10), (-1.0, tops[-1]))
     about_color = {"memory": "#CC79A7", "communication": "#E69F00", "the step": "#56B4E9"}
-    cols = (0.0, 2.55, 3.45, 4.35, 5.35)
+    cols = (0.0, 2.8, 3.9, 5.0, 6.25)
     heads = ("key", data["configs"][0], data["configs"][1], "taken by",
-             f"what it changes on {data['model']}, N = {data['n']}: "
+             f"what it changes on {data['model']}, N = {data['n']}:\n"
              f"{data['configs'][0]} / {data['configs'][1]}")
     for x, head in zip(cols, heads, strict=True):
-        ax.text(x, -0.5, head, fontsize=7.5, fontweight="bold", va="center")
+        ax.text(x, -0.5, head, fontsize=draw.SMALL, fontweight="bold", va="center")
     for i, row in enumerate(rows):
+        top, mid = tops[i], (tops[i] + tops[i + 1]) / 2
         color = about_color[row["about"]]
-        draw.box(ax, -0.12, i + 0.05, 0.08, 0.9, color=color, edge=color)
+        draw.box(ax, -0.12, top + 0.05, 0.08, tops[i + 1] - top - 0.1, color=color, edge=color)
         if i == 0 or rows[i - 1]["about"] != row["about"]:
-            ax.text(-0.2, i + 0.5, row["about"], ha="right", va="top", fontsize=7, color=color,
+            ax.text(-0.2, top + 0.5, row["about"], ha="right", va="top", fontsize=draw.SMALL, color=color,
                     fontweight="bold")
-        ax.text(cols[0], i + 0.5, row["key"], fontsize=7, va="center", family="DejaVu Sans Mono")
+        ax.text(cols[0], mid, row["key"], fontsize=draw.SMALL, va="center", family="monospace")
         for x, value in zip(cols[1:3], row["values"], strict=True):
-            ax.text(x, i + 0.5, value, fontsize=7, va="center")
-        ax.text(cols[3], i + 0.5, row["takes"], fontsize=7, va="center", color="#0072B2")
-        a, b = row["effects"]
-        ax.text(cols[4], i + 0.5, a if a == b else f"{a} / {b}", fontsize=6.8, va="center")
-        ax.plot([-0.12, 10], [i + 1, i + 1], color="#E5E5E5", lw=0.5)
+            ax.text(x, mid, value, fontsize=draw.SMALL, va="center")
+        ax.text(cols[3], mid, row["takes"], fontsize=draw.SMALL, va="center", color="#0072B2")
+        ax.text(cols[4], mid, effects[i], fontsize=draw.SMALL, va="center")
+        ax.plot([-0.12, 10], [tops[i + 1], tops[i + 1]], color="#E5E5E5", lw=0.5)
+    fig.subplots_adjust(left=0.13, right=0.99)
     ax.set_title("The article's DeepSpeed configs, read by config.py: every key means what it means in "
                  "DeepSpeed", loc="left")
     return fig

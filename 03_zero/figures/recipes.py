@@ -48,18 +48,18 @@ def recipe_bytes_draw(data: dict):
                      label=kind if j == 0 else None, edgecolor="#333333", linewidth=0.4)
             bottom = [a + v for a, v in zip(bottom, values, strict=True)]
         for x, total in zip(xs, bottom, strict=True):
-            left.text(x, total + 0.3, f"{name}\n{total:.3g}", ha="center", fontsize=6.5)
+            left.text(x, total + 0.3, f"{name}\n{total:.3g}", ha="center", fontsize=draw.SMALL)
         bars = right.bar(xs, rec["wire"], width * 0.92, color=draw.rank_color(j), label=name)
-        right.bar_label(bars, [f"{v:.3g}" for v in rec["wire"]], fontsize=6.5, padding=1)
+        right.bar_label(bars, [f"{v:.3g}" for v in rec["wire"]], fontsize=draw.SMALL, padding=1)
     for ax in (left, right):
-        ax.set_xticks(range(4), STRATEGY, fontsize=7.5)
+        ax.set_xticks(range(4), [s.replace(", ", ",\n") for s in STRATEGY], fontsize=draw.SMALL)
     left.set_ylabel("bytes per parameter per rank")
     left.set_ylim(0, 22)
-    left.legend(fontsize=7.5, loc="upper right")
+    left.legend(fontsize=draw.SMALL, loc="upper right")
     left.set_title(f"Memory (n = {data['n']}): params in the compute dtype, grads in the reduction's,\n"
                    "optimizer = fp32 master (mixed) + m + v", loc="left", fontsize=8.5)
     right.set_ylabel("bytes per parameter per step (accounted)")
-    right.legend(fontsize=7.5, loc="upper left")
+    right.legend(fontsize=draw.SMALL, loc="upper left")
     right.set_title("Wire: fp32 reductions, gathers in the compute dtype", loc="left", fontsize=8.5)
     fig.tight_layout()
     return fig

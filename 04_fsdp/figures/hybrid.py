@@ -36,22 +36,23 @@ def hsdp_data(s: int = 8, r: int = 2, micro_batches: int = 1,
 def hsdp_draw(data: dict):
     s, r, shard = data["s"], data["r"], data["shard"]
     where = {rank: (k, i) for k, line in enumerate(shard) for i, rank in enumerate(line)}
-    fig, (top, ax) = draw.figure(height=5.6, nrows=2, ncols=1, gridspec_kw={"height_ratios": [1.15, 1]})
+    fig, (top, ax) = draw.figure(height=6.2, nrows=2, ncols=1, gridspec_kw={"height_ratios": [1.3, 1],
+                                                                            "hspace": 0.3})
     gpu, gap = 1.0, 1.6
     node_w = s * gpu
-    draw.blank(top, (-0.6, r * node_w + (r - 1) * gap + 0.6), (-1.1, 3.85))
+    draw.blank(top, (-0.6, r * node_w + (r - 1) * gap + 0.6), (-1.35, 4.1))
     for k in range(r):
         x0 = k * (node_w + gap)
         draw.box(top, x0 - 0.25, -0.55, node_w + 0.5, 2.45, color="#F7F7F7", edge="#555555")
-        top.text(x0 + node_w / 2, -0.85, f"node {k}: shard group (all-gathers, reduce-scatters: NVLink)",
-                 ha="center", fontsize=7)
+        top.text(x0 + node_w / 2, -0.85, f"node {k}: shard group\n(all-gathers, reduce-scatters: NVLink)",
+                 ha="center", fontsize=draw.SMALL)
         for i in range(s):
             draw.box(top, x0 + i * gpu + 0.1, 0, gpu - 0.2, 0.8, f"{shard[k][i]}", color=draw.rank_color(i),
-                     alpha=0.85, fontsize=7, textcolor="#FFFFFF")
+                     alpha=0.85, fontsize=draw.SMALL, textcolor="#FFFFFF")
             if i < s - 1:
                 draw.arrow(top, (x0 + i * gpu + 0.85, 1.15), (x0 + (i + 1) * gpu + 0.15, 1.15),
                            color="#777777")
-        top.text(x0 + node_w / 2, 1.55, f"ring of {s}", ha="center", fontsize=7, color="#777777")
+        top.text(x0 + node_w / 2, 1.55, f"ring of {s}", ha="center", fontsize=draw.SMALL, color="#777777")
         if k < r - 1:
             draw.arrow(top, (x0 + node_w + 0.3, 0.4), (x0 + node_w + gap - 0.3, 0.4), color="#D55E00",
                        width=1.5)
@@ -63,12 +64,13 @@ def hsdp_draw(data: dict):
             top.plot([x, x], [0.8, y], color=draw.rank_color(j), lw=0.5, ls=":")
     top.text(0, 3.3, f"replicate groups: local rank i on every node all-reduces its 1/{s} of each gradient "
              f"across the {r} nodes (one NIC per GPU): {data['per_rank_inter']:.3g}·P·b per GPU",
-             fontsize=7, va="center")
-    top.text(r * node_w / 2 + (r - 1) * gap / 2, 0.15, "network", ha="center", va="bottom", fontsize=6.5,
+             fontsize=draw.SMALL, va="center")
+    top.text(r * node_w / 2 + (r - 1) * gap / 2, 0.15, "network", ha="center", va="bottom",
+             fontsize=draw.SMALL,
              color="#D55E00")
-    top.text(0, 3.65, f"FULL_SHARD instead: one ring 0 → 1 → … → {s * r - 1} → 0 over all {s * r} GPUs, "
+    top.text(0, 3.8, f"FULL_SHARD instead: one ring 0 → 1 → … → {s * r - 1} → 0 over all {s * r} GPUs,\n"
              f"whose {r} hops between nodes use the network (NCCL runs {s} such rings, one per NIC)",
-             fontsize=7, va="center", color="#555555")
+             fontsize=draw.SMALL, va="center", color="#555555")
     top.set_title(f"HSDP on {r} nodes of {s} GPUs: shard inside a node, replicate across nodes", loc="left")
     rows = data["rows"]
     xs = range(len(rows))
@@ -80,11 +82,12 @@ def hsdp_draw(data: dict):
            label="FULL_SHARD: reduce-scatter")
     ax.bar([x + 0.2 for x in xs], hsdp, 0.38, color="#0072B2", label="HSDP: all-reduce of the shards")
     for x, g, red, h in zip(xs, flat_g, flat_r, hsdp, strict=True):
-        ax.text(x, g + red + 0.1, f"{(g + red) / h:.2f}×", ha="center", fontsize=7.5, fontweight="bold")
+        ax.text(x, g + red + 0.1, f"{(g + red) / h:.2f}×", ha="center", fontsize=draw.SMALL,
+                fontweight="bold")
     ax.set_xticks(list(xs), [f"r = {x['nodes']} nodes" for x in rows])
     ax.set_ylabel("bytes leaving a node per step\n(units of P·b)")
     ax.set_ylim(0, max(g + red for g, red in zip(flat_g, flat_r, strict=True)) * 1.25)
-    ax.legend(fontsize=7, loc="upper left", ncols=3)
+    ax.legend(fontsize=draw.SMALL, loc="upper left", ncols=3)
     k = data["micro_batches"]
     ax.set_title(f"Bytes leaving a node per step, s = {s}, {k} micro-batch{'es' if k > 1 else ''} (no_sync), "
                  "FULL_SHARD ÷ HSDP above each pair:\nFULL_SHARD's flat ring sends one rank's "

@@ -195,14 +195,14 @@ def unit_life_draw(data: dict):
             for a in (ax, mem):
                 a.axvline(i + 0.5, color="#D55E00", ls=":", lw=1)
             mem.text(i + 0.3, 0.95, "end of backward:\nevery RS waited, ÷N", ha="right", va="top",
-                     fontsize=6.5, color="#D55E00", transform=mem.get_xaxis_transform())
+                     fontsize=draw.SMALL, color="#D55E00", transform=mem.get_xaxis_transform())
     sizes = {u["unit"]: u["numel"] for u in units}
     names = [f"{'root' if u == '<root>' else u} ({sizes[u]:,})" for u in lanes]
     draw.timeline(ax, bars, names, legend=["gather", "forward", "backward", "free", "reduce"])
     ax.set_xlim(0, len(events))
     ax.axvline(first_backward, color="#555555", lw=0.8)
     ax.text(first_backward - 0.5, len(lanes) - 0.45, "forward ←  → backward", ha="center", va="top",
-            fontsize=7, color="#555555", bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
+            fontsize=draw.SMALL, color="#555555", bbox={"facecolor": "white", "edgecolor": "none", "pad": 1})
     bp = data["backward_prefetch"] or "no backward prefetch"
     ax.set_title(f"One FSDP step of {data['model']} ({data['n_layers']} blocks, {data['world']} ranks, "
                  f"{data['sharding']}, forward_prefetch={data['forward_prefetch']}, {bp}), "
@@ -217,7 +217,7 @@ def unit_life_draw(data: dict):
                 label="full_params_peak_formula")
     mem.set_ylabel("KiB gathered")
     mem.set_xlabel("events in the order rank 0 issued them (not time)")
-    mem.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    mem.legend(fontsize=draw.SMALL, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return fig
 
 
@@ -266,7 +266,7 @@ def units_draw(data: dict):
     policies = data["policies"]
     fig, ax = draw.figure(height=0.75 * len(policies) + 0.9)
     total = sum(n for _, n, _ in policies[0]["params"])
-    draw.blank(ax, (-0.02, 1.42), (-0.45, len(policies)))
+    draw.blank(ax, (-0.02, 1.42), (-0.6, len(policies)))
     palette = [c for c in draw.RANK_COLORS if c not in ("#999999",)]
     for i, pol in enumerate(policies):
         owners = list(dict.fromkeys(owner for *_, owner in pol["params"] if owner != "<root>"))
@@ -276,14 +276,15 @@ def units_draw(data: dict):
             draw.box(ax, x, i + 0.25, numel / total, 0.45, color=color[owner], edge="#FFFFFF")
             x += numel / total
             sizes[owner] = sizes.get(owner, 0) + numel
-        ax.text(0, i + 0.2, POLICY_LABEL[pol["policy"]], va="bottom", fontsize=7.5, fontweight="bold",
-                family="DejaVu Sans Mono")
+        ax.text(0, i + 0.2, POLICY_LABEL[pol["policy"]], va="bottom", fontsize=draw.SMALL, fontweight="bold",
+                family="monospace")
         counts = Counter(v for k, v in sizes.items() if k != "<root>")
         units = f"{len(sizes)} unit{'s' if len(sizes) > 1 else ''}: root {sizes.get('<root>', 0):,}"
         units += "".join(f" + {c} × {v:,}" for v, c in sorted(counts.items()))
-        ax.text(1.01, i + 0.47, units, va="center", fontsize=7)
-    ax.text(0, -0.3, "parameters in registration order: tok_embeddings | layers.0 … | norm | output; "
-            "colour = the unit that owns them (grey: the root unit, gathered for the whole step)", fontsize=7,
+        ax.text(1.01, i + 0.47, units, va="center", fontsize=draw.SMALL)
+    ax.text(0, -0.35, "parameters in registration order: tok_embeddings | layers.0 … | norm | output;\n"
+            "colour = the unit that owns them (grey: the root unit, gathered for the whole step)",
+            fontsize=draw.SMALL,
             va="center", color="#555555")
     ax.set_title(f"The units of {data['model']} ({total:,} parameters) under four auto-wrap policies",
                  loc="left")

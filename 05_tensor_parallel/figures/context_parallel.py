@@ -46,8 +46,8 @@ def cp_layout_draw(data: dict):
         draw.blank(ax, (-1.4, n + 0.1), (-1.5, n + 0.1))
         owner = {c: r for r, chunks in enumerate(d["held"]) for c in chunks}
         for c in range(n):  # the sequence, coloured by the rank holding each chunk
-            draw.box(ax, c, -1.2, 1, 0.7, str(c), draw.rank_color(owner[c]), alpha=0.7, fontsize=7)
-            draw.box(ax, -1.2, c, 0.7, 1, str(c), draw.rank_color(owner[c]), alpha=0.7, fontsize=7)
+            draw.box(ax, c, -1.2, 1, 0.7, str(c), draw.rank_color(owner[c]), alpha=0.7, fontsize=draw.SMALL)
+            draw.box(ax, -1.2, c, 0.7, 1, str(c), draw.rank_color(owner[c]), alpha=0.7, fontsize=draw.SMALL)
         for q, k, mode, r in d["blocks"]:
             colour = draw.rank_color(r)
             if mode == "full":
@@ -55,8 +55,8 @@ def cp_layout_draw(data: dict):
             else:  # the causal diagonal: the lower triangle of the block
                 triangle = [(k, q), (k, q + 1), (k + 1, q + 1)]
                 ax.add_patch(draw.plt.Polygon(triangle, facecolor=colour, alpha=0.55))
-        ax.text(-0.3, -0.85, "keys", ha="right", va="center", fontsize=7)
-        ax.text(-0.85, n + 0.05, "queries", ha="center", va="top", fontsize=7)
+        ax.text(-0.3, -0.85, "keys", ha="right", va="center", fontsize=draw.SMALL)
+        ax.text(-0.85, n + 0.05, "queries", ha="center", va="top", fontsize=draw.SMALL)
         ax.set_title(f"{layout}: {n} chunks", loc="left", fontsize=9, pad=2)
     ax = axes.flat[2]
     for k, layout in enumerate(("contiguous", "zigzag")):
@@ -65,11 +65,11 @@ def cp_layout_draw(data: dict):
                color=["#BBBBBB", "#0072B2"][k])
     ax.set_xticks(range(cp), [f"r{r}" for r in range(cp)])
     ax.set_ylabel(f"query-key pairs (millions), s = {data['seq_len']}")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=draw.SMALL)
     ratio = {lay: max(data[lay]["work"]) / min(data[lay]["work"]) for lay in ("contiguous", "zigzag")}
     ax.set_title(f"work per rank: max/min\ncontiguous {ratio['contiguous']:.2f}, "
                  f"zig-zag {ratio['zigzag']:.2f}", loc="left", fontsize=9)
-    fig.suptitle(f"Causal attention over cp = {cp} ranks: each block coloured by the rank that computes it "
+    fig.suptitle(f"Causal attention over cp = {cp} ranks: each block coloured by the rank that computes it\n"
                  "(blank: above the diagonal, skipped)", x=0.01, ha="left", fontweight="bold", fontsize=9.5)
     fig.tight_layout()
     return fig
@@ -128,25 +128,25 @@ def ring_attention_draw(data: dict):
     draw.blank(ax, (-1.6, cp * cell), (-0.7, len(steps) + 0.2))
     for r in range(cp):
         ax.text(r * cell + 1.3, -0.45, f"rank {r} (chunks {', '.join(map(str, rank_chunks_of(data, r)))})",
-                ha="center", va="center", fontsize=7.5, color=draw.rank_color(r), fontweight="bold")
+                ha="center", va="center", fontsize=draw.SMALL, color=draw.rank_color(r), fontweight="bold")
     for i, row in enumerate(steps):
         ax.text(-0.2, i + 0.4, f"step {i}", ha="right", va="center", fontsize=8)
         for r, c in enumerate(row["ranks"]):
             x = r * cell
             pairs = ", ".join(f"{q}·{k}{'◣' * (mode == 'causal')}" for q, k, mode in c["pairs"]) or "none"
             draw.box(ax, x, i, 0.9, 0.8, f"K/V\nof r{c['holds']}", draw.rank_color(c["holds"]), alpha=0.5,
-                     fontsize=6.5)
-            ax.text(x + 1.0, i + 0.12, f"blocks {pairs}", ha="left", va="center", fontsize=5.8)
+                     fontsize=draw.SMALL)
+            ax.text(x + 1.0, i + 0.12, f"blocks {pairs}", ha="left", va="center", fontsize=draw.SMALL)
             for j, share in enumerate(c["share"]):
                 y = i + 0.38 + 0.22 * j
                 ax.add_patch(draw.Rectangle((x + 1.0, y), 1.5, 0.16, facecolor="#FFFFFF", edgecolor="#999999",
                                             linewidth=0.5))
                 ax.add_patch(draw.Rectangle((x + 1.0, y), 1.5 * share, 0.16, facecolor=draw.rank_color(r),
                                             alpha=0.7))
-                ax.text(x + 2.55, y + 0.08, f"{share:.0%}", ha="left", va="center", fontsize=5.5)
+                ax.text(x + 2.55, y + 0.08, f"{share:.0%}", ha="left", va="center", fontsize=draw.SMALL)
         if row["sends"]:
             ax.text(cp * cell - 0.35, i + 0.9, "then each sends its K/V block right →", ha="right",
-                    va="center", fontsize=6, color=draw.KIND_COLORS["comm"])
+                    va="center", fontsize=draw.SMALL, color=draw.KIND_COLORS["comm"])
     ax.set_title(f"Ring attention forward, cp = {cp}, zig-zag: replayed with ring_exchanges and ring_step; "
                  f"equals one device: {'yes' if data['exact'] else 'NO'}\n"
                  "bars: the share of each of its query chunks' softmax merged so far, by the log-sum-exp "

@@ -83,27 +83,27 @@ def moe_dispatch_draw(data: dict):
     a.imshow(counts, cmap="Blues", aspect="auto")
     for r in range(ep):
         for e in range(E):
-            a.text(e, r, counts[r][e], ha="center", va="center", fontsize=7)
+            a.text(e, r, counts[r][e], ha="center", va="center", fontsize=draw.SMALL)
     for q in range(1, ep):
         a.axvline(q * local - 0.5, color="#333333", lw=1)
-    a.set_xticks(range(E), [f"e{e}\nr{e // local}" for e in range(E)], fontsize=6.5)
-    a.set_yticks(range(ep), [f"rank {r}" for r in range(ep)], fontsize=7)
+    a.set_xticks(range(E), [f"e{e}\nr{e // local}" for e in range(E)], fontsize=draw.SMALL)
+    a.set_yticks(range(ep), [f"rank {r}" for r in range(ep)], fontsize=draw.SMALL)
     a.set_title(f"routed slots per expert, from each rank's {data['tokens']} tokens\n"
                 f"(top-{data['top_k']}; expert e lives on rank e // {local})", loc="left", fontsize=8.5)
     b.imshow(send, cmap="Oranges", aspect="auto")
     for s in range(ep):
         for d in range(ep):
-            b.text(d, s, send[s][d], ha="center", va="center", fontsize=7,
+            b.text(d, s, send[s][d], ha="center", va="center", fontsize=draw.SMALL,
                    fontweight="bold" if s != d else "normal", color="#000000" if s != d else "#777777")
         b.text(ep - 0.3, s, f"A {data['A'][s]} out, B {data['B'][s]} in\n{data['bytes'][s] / 1024:.1f} KiB",
-               ha="left", va="center", fontsize=6.5)
+               ha="left", va="center", fontsize=draw.SMALL)
     b.set_xlim(-0.5, ep + 2.5)
-    b.set_xticks(range(ep), [f"→ r{d}" for d in range(ep)], fontsize=7)
-    b.set_yticks(range(ep), [f"r{s} sends" for s in range(ep)], fontsize=7)
+    b.set_xticks(range(ep), [f"→ r{d}" for d in range(ep)], fontsize=draw.SMALL)
+    b.set_yticks(range(ep), [f"r{s} sends" for s in range(ep)], fontsize=draw.SMALL)
     b.spines[["left", "bottom"]].set_visible(False)
-    b.set_title("dispatch all-to-all: rows per (sender, receiver)\ncombine sends the transpose back; "
+    b.set_title("dispatch all-to-all: rows per\n(sender, receiver); combine sends the\ntranspose back; "
                 "diagonal: stays home", loc="left", fontsize=8.5)
-    fig.suptitle(f"Expert parallelism, EP {ep}: one MoE layer of tiny-moe, real routing; bytes per rank "
+    fig.suptitle(f"Expert parallelism, EP {ep}: one MoE layer of tiny-moe, real routing;\nbytes per rank "
                  f"(fwd + bwd) = 2(A+B)·{data['dim']}·8 + counts", x=0.01, ha="left", fontweight="bold",
                  fontsize=9.5)
     fig.tight_layout()
@@ -143,12 +143,12 @@ def moe_load_draw(data: dict):
         ax.bar([i + (d - (ep - 1) / 2) * width for i in range(len(rows))], [r[d] for r in rows], width=width,
                color=draw.rank_color(d), label=f"rank {d}")
     for i, ratio in enumerate(data["ratio"]):
-        ax.text(i, max(rows[i]) + 1, f"{ratio:.2f}", ha="center", va="bottom", fontsize=7,
+        ax.text(i, max(rows[i]) + 1, f"{ratio:.2f}", ha="center", va="bottom", fontsize=draw.SMALL,
                 fontweight="bold" if ratio == data["imbalance"] else "normal")
-    ax.set_xticks(range(len(rows)), [f"MoE layer {i}" for i in range(len(rows))], fontsize=7)
+    ax.set_xticks(range(len(rows)), [f"MoE layer {i}" for i in range(len(rows))], fontsize=draw.SMALL)
     ax.set_ylabel("rows its experts process")
     ax.set_ylim(0, max(max(r) for r in rows) * 1.2)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.legend(fontsize=draw.SMALL, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title(f"Load per EP rank, each MoE layer (EP {ep}; above: max/mean of that layer). Each "
                  f"all-to-all waits for its slowest rank:\nthe step's imbalance is the worst layer's, "
                  f"{data['imbalance']:.2f}; rows summed over the layers first would say {data['summed']:.2f}",
@@ -199,12 +199,12 @@ def moe_capacity_draw(data: dict):
     ax.bar([x + 0.2 for x in xs], theirs, width=0.38, color="#E69F00",
            label="per rank: C = ⌈cf·N·k/E⌉, N = the tokens a rank dispatches")
     for x, lay, a, b in zip(xs, layouts, ours, theirs, strict=True):
-        ax.text(x - 0.2, a + 0.5, str(a), ha="center", fontsize=7)
-        ax.text(x + 0.2, b + 0.5, f"{b}\n(C={lay['per_rank_capacity']})", ha="center", fontsize=6.5)
-    ax.set_xticks(list(xs), [f"EP {lay['ep']}: N = {lay['tokens']}" for lay in layouts], fontsize=7)
+        ax.text(x - 0.2, a + 0.5, str(a), ha="center", fontsize=draw.SMALL)
+        ax.text(x + 0.2, b + 0.5, f"{b}\n(C={lay['per_rank_capacity']})", ha="center", fontsize=draw.SMALL)
+    ax.set_xticks(list(xs), [f"EP {lay['ep']}: N = {lay['tokens']}" for lay in layouts], fontsize=draw.SMALL)
     ax.set_ylabel(f"slots dropped (of {total})")
     ax.set_ylim(0, max(ours + theirs) * 1.35 + 1)
-    ax.legend(fontsize=7, loc="upper right")
+    ax.legend(fontsize=draw.SMALL, loc="upper right")
     ax.set_title(f"Capacity factor {data['capacity_factor']}, first MoE layer of tiny-moe, {data['batch']} × "
                  f"{data['seq_len']} tokens: ours drops the same slots on any layout "
                  f"({'checked' if data['same_slots'] else 'NOT SO'});\na per-rank capacity "

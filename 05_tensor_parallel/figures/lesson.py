@@ -49,22 +49,22 @@ def _matrix(ax, x: float, y: float, w: float, h: float, row: dict, t: int, kind:
     for i in range(n):
         colour = draw.rank_color(i * copies)
         if row["dim"] == 0:
-            draw.box(ax, x, y + i * h / n, w, h / n, labels[i], colour, alpha=0.55, fontsize=6)
+            draw.box(ax, x, y + i * h / n, w, h / n, labels[i], colour, alpha=0.55, fontsize=draw.SMALL)
         else:
-            draw.box(ax, x + i * w / n, y, w / n, h, labels[i], colour, alpha=0.55, fontsize=6)
+            draw.box(ax, x + i * w / n, y, w / n, h, labels[i], colour, alpha=0.55, fontsize=draw.SMALL)
     out, inp = row["shape"]
     ax.text(x + w / 2, y - 0.08, f"{row['name'].split('.')[-1]} [{out}×{inp}]", ha="center", va="bottom",
-            fontsize=7.5, fontweight="bold")
+            fontsize=draw.SMALL, fontweight="bold")
     if kind:
         ax.text(x + w / 2, y + h + 0.08, {0: "column-parallel", 1: "row-parallel"}[row["dim"]], ha="center",
-                va="top", fontsize=6.5, color="#555555")
+                va="top", fontsize=draw.SMALL, color="#555555")
 
 
 def _operator(ax, x: float, y: float, name: str) -> None:
     meaning = {"f": "identity fwd\nall-reduce bwd", "g": "all-reduce fwd\nidentity bwd"}[name]
     ax.add_patch(draw.plt.Circle((x, y), 0.3, facecolor=draw.KIND_COLORS["comm"], edgecolor="#333333"))
     ax.text(x, y, name, ha="center", va="center", fontsize=10, fontweight="bold")
-    ax.text(x, y + 0.45, meaning, ha="center", va="top", fontsize=6.5)
+    ax.text(x, y + 0.45, meaning, ha="center", va="top", fontsize=draw.SMALL)
 
 
 def tp_plan_draw(data: dict):
@@ -78,7 +78,7 @@ def tp_plan_draw(data: dict):
         mid = y0 + 0.65 * len(columns)
         ax.text(-0.3, mid, "x", ha="right", va="center", fontsize=10)
         draw.box(ax, 0.0, mid - 0.4, 1.4, 0.8, "RMSNorm\n(replicated)" if rows[norm]["dim"] is None else "",
-                 "#EEEEEE", fontsize=6.5)
+                 "#EEEEEE", fontsize=draw.SMALL)
         draw.arrow(ax, (1.4, mid), (2.1, mid))
         _operator(ax, 2.4, mid, rows[sub]["comm"])
         for i, name in enumerate(columns):
@@ -87,16 +87,16 @@ def tp_plan_draw(data: dict):
             draw.arrow(ax, (2.7, mid), (3.8, top + 0.37))
             draw.arrow(ax, (5.6, top + 0.37), (6.6, mid))
         ax.text(4.7, y0 + 1.3 * len(columns) + 0.15, "column-parallel: rows split", ha="center", va="top",
-                fontsize=6.5, color="#555555")
-        draw.box(ax, 6.6, mid - 0.5, 1.6, 1.0, core, "#F7F7F7", fontsize=7)
-        ax.text(8.65, mid - 0.15, "no comm", ha="center", va="bottom", fontsize=6)
+                fontsize=draw.SMALL, color="#555555")
+        draw.box(ax, 6.6, mid - 0.5, 1.6, 1.0, core, "#F7F7F7", fontsize=draw.SMALL)
+        ax.text(8.65, mid - 0.15, "no comm", ha="center", va="bottom", fontsize=draw.SMALL)
         draw.arrow(ax, (8.2, mid), (9.1, mid))
         _matrix(ax, 9.1, mid - 0.8, 1.8, 1.6, rows[f"{sub}.{row_name}"], t, kind=True)
-        ax.text(11.45, mid - 0.15, "partial\nsums", ha="center", va="bottom", fontsize=6)
+        ax.text(11.45, mid - 0.15, "partial\nsums", ha="center", va="bottom", fontsize=draw.SMALL)
         draw.arrow(ax, (10.9, mid), (11.95, mid))
         _operator(ax, 12.25, mid, rows[f"{sub}.{row_name}"]["comm"])
         draw.arrow(ax, (12.55, mid), (13.3, mid))
-        ax.text(13.35, mid, "+ x\n(whole, on\nevery rank)", ha="left", va="center", fontsize=7)
+        ax.text(13.35, mid, "+ x\n(whole, on\nevery rank)", ha="left", va="center", fontsize=draw.SMALL)
     ax.set_title(f"One block of {data['model']} at TP {t}, cut by LLAMA_TP_PLAN (plan_table)\n"
                  "column-parallel weights keep rows of torch's [out, in], row-parallel ones columns;\n"
                  "f before, g after: one all-reduce per sub-layer forward, one backward", loc="left")
@@ -135,18 +135,19 @@ def tp_heads_draw(data: dict):
         t, n_q = p["t"], p["n_q"]
         width = n_q / t  # one rank's column
         draw.blank(ax, (-1.6, n_q + 0.1), (-0.6, 2.9))
-        ax.text(-0.15, 0.65, "query\nheads", ha="right", va="center", fontsize=7.5)
-        ax.text(-0.15, 2.25, "K/V\nheads", ha="right", va="center", fontsize=7.5)
+        ax.text(-0.15, 0.65, "query\nheads", ha="right", va="center", fontsize=draw.SMALL)
+        ax.text(-0.15, 2.25, "K/V\nheads", ha="right", va="center", fontsize=draw.SMALL)
         for r, held in enumerate(p["ranks"]):
             colour = draw.rank_color(r)
-            ax.text((r + 0.5) * width, -0.3, f"rank {r}", ha="center", va="center", fontsize=7, color=colour,
+            ax.text((r + 0.5) * width, -0.3, f"rank {r}", ha="center", va="center", fontsize=draw.SMALL,
+                    color=colour,
                     fontweight="bold")
             kv_w = width / len(held["kv"])
             for j, kv in enumerate(held["kv"]):
                 draw.box(ax, r * width + j * kv_w + 0.05, 1.9, kv_w - 0.1, 0.7, f"kv{kv}", colour, alpha=0.6,
-                         fontsize=7)
+                         fontsize=draw.SMALL)
             for i in held["q"]:
-                draw.box(ax, i + 0.05, 0.3, 0.9, 0.7, f"q{i}", colour, alpha=0.6, fontsize=7)
+                draw.box(ax, i + 0.05, 0.3, 0.9, 0.7, f"q{i}", colour, alpha=0.6, fontsize=draw.SMALL)
                 if p["reads"][i] in held["kv"]:
                     j = held["kv"].index(p["reads"][i])
                     ax.plot([i + 0.5, r * width + (j + 0.5) * kv_w], [1.0, 1.9], color="#555555", lw=0.7)
@@ -196,37 +197,41 @@ def vocab_ce_draw(data: dict):
     t, width, tokens = data["t"], data["width"], len(data["targets"])
     cols = t * width
     fig, ax = draw.figure(height=1.5 + 0.5 * tokens)
-    draw.blank(ax, (-1.4, cols + t + 6.2), (-1.1, tokens + 1.2))
+    rw, sw = 1.5, 1.75  # the widths of a per-rank column and of a summary column
+    draw.blank(ax, (-1.4, cols + 0.6 + rw * t + sw * 4), (-1.1, tokens + 1.2))
     for r in range(t):
         colour = draw.rank_color(r)
-        ax.text(r * width + width / 2, -0.5, f"rank {r}: ids {r * width}–{(r + 1) * width - 1}",
-                ha="center", fontsize=6.5, color=colour, fontweight="bold")
-        ax.text(cols + 0.6 + r, -0.5, f"r{r}", ha="center", fontsize=6.5, color=colour, fontweight="bold")
-    x = cols + 0.6 + t
+        ax.text(r * width + width / 2, -0.5, f"rank {r}\nids {r * width}–{(r + 1) * width - 1}",
+                ha="center", fontsize=draw.SMALL, color=colour, fontweight="bold")
+        ax.text(cols + 0.6 + rw * (r + 0.5), -0.5, f"r{r}", ha="center", fontsize=draw.SMALL, color=colour,
+                fontweight="bold")
+    x = cols + 0.6 + rw * t
     for k, head in enumerate(("MAX\nm", "SUM\nΣ", "z_y − m", "loss\n(code)")):
-        ax.text(x + 0.3 + 1.3 * k, -0.5, head, ha="center", fontsize=6.5, fontweight="bold")
+        ax.text(x + sw * (k + 0.5), -0.5, head, ha="center", fontsize=draw.SMALL, fontweight="bold")
     for n, row in enumerate(data["logits"]):
         y = n + 0.45
-        ax.text(-0.2, y, f"token {n}", ha="right", va="center", fontsize=7)
+        ax.text(-0.2, y, f"token {n}", ha="right", va="center", fontsize=draw.SMALL)
         for v, z in enumerate(row):
             pad = not math.isfinite(z)
             draw.box(ax, v, n, 0.95, 0.9, "−∞" if pad else f"{z:.1f}", draw.rank_color(v // width),
-                     alpha=0.15 if pad else 0.45, hatch="//" if pad else None, fontsize=6,
+                     alpha=0.15 if pad else 0.45, hatch="//" if pad else None, fontsize=draw.SMALL,
                      edge="#000000" if v == data["targets"][n] else "#BBBBBB")
         for r in range(t):
-            ax.text(cols + 0.6 + r, y, f"{data['max'][n][r]:.1f}\n{data['sumexp'][n][r]:.2g}", ha="center",
-                    va="center", fontsize=5.8, color=draw.rank_color(r))
+            ax.text(cols + 0.6 + rw * (r + 0.5), y, f"{data['max'][n][r]:.1f}\n{data['sumexp'][n][r]:.2g}",
+                    ha="center",
+                    va="center", fontsize=draw.SMALL, color=draw.rank_color(r))
         m, total = max(data["max"][n]), sum(data["sumexp"][n])
         target = data["logits"][n][data["targets"][n]] - m
         for k, value in enumerate((f"{m:.1f}", f"{total:.3f}", f"{target:.2f}", f"{data['loss'][n]:.3f}")):
-            ax.text(x + 0.3 + 1.3 * k, y, value, ha="center", va="center", fontsize=7)
+            ax.text(x + sw * (k + 0.5), y, value, ha="center", va="center", fontsize=draw.SMALL)
     ax.text(0, tokens + 0.2, f"Outlined: each token's target (its owner alone contributes z_y); hatched: "
             f"padding to {cols} = {t}·{width}, −∞. Per rank: its max m_r,\n"
             "then Σ exp(z − m) over its ids. "
             f"One all-reduce MAX, one SUM of [Σ, z_y]: 3 numbers per token, not {data['vocab']} logits. "
-            "loss = log Σ − (z_y − m)", ha="left", va="top", fontsize=7)
+            "loss = log Σ − (z_y − m)", ha="left", va="top", fontsize=draw.SMALL)
     ax.set_title(f"Vocab-parallel cross-entropy, V = {data['vocab']} over TP {t}: the logits stay split",
                  loc="left")
+    fig.subplots_adjust(left=0.08, right=0.99)
     return fig
 
 
@@ -269,12 +274,13 @@ def sp_regions_draw(data: dict):
         for i, step in enumerate(steps):
             x0 = i * 3.0
             label = step["label"] + ("\n(weight grad summed)" if step["comm"] == "grad all-reduce" else "")
-            ax.text(x0 + 1.0, -0.95, label, ha="center", va="center", fontsize=6.5)
+            ax.text(x0 + 1.0, -0.95, label, ha="center", va="center", fontsize=draw.SMALL)
             if step["comm"] and step["comm"] != "grad all-reduce":
-                ax.text(x0 - 0.5, -0.3, step["comm"], ha="center", va="center", fontsize=6.5, rotation=0,
+                ax.text(x0 - 0.5, -0.3, step["comm"], ha="center", va="center", fontsize=draw.SMALL,
+                        rotation=0,
                         color=draw.KIND_COLORS["reduce"], fontweight="bold")
             for r in range(t):
-                ax.text(-0.2, r + 0.4, f"r{r}", ha="right", va="center", fontsize=6.5,
+                ax.text(-0.2, r + 0.4, f"r{r}", ha="right", va="center", fontsize=draw.SMALL,
                         color=draw.rank_color(r))
                 own = step["width"] == "h/t" or step["tokens"] == "s/t"  # different on every rank
                 for c in range(t):  # the sequence in t blocks of s/t tokens
@@ -283,7 +289,7 @@ def sp_regions_draw(data: dict):
                     draw.box(ax, x0 + c * 2.0 / t, r, 2.0 / t * 0.95, 0.8, "", colour,
                              alpha=0.6 if held else 1.0, edge="#BBBBBB")
                 if step["width"] == "h/t":
-                    ax.text(x0 + 1.0, r + 0.4, "h/t", ha="center", va="center", fontsize=6)
+                    ax.text(x0 + 1.0, r + 0.4, "h/t", ha="center", va="center", fontsize=draw.SMALL)
         ax.set_title(title, loc="left", fontsize=8.5)
     fig.suptitle(f"Sequence parallelism ({data['model']}, t = {t}): what each rank holds through one block\n"
                  "a bar = the sequence in t blocks of s/t tokens; grey: the same copy on every rank; colour: "
@@ -329,11 +335,13 @@ def sp_memory_draw(data: dict):
             ax.bar(x, v, bottom=bottom, color=colours[k % len(colours)], edgecolor="white", linewidth=0.5,
                    label=name if i == 0 else None)
             bottom += v
-        ax.text(x, bottom + 0.2, f"{bottom:.1f}", ha="center", fontsize=7)
-    ax.set_xticks(xs, [f"t={b['t']}\n{'SP' if b['sp'] else 'TP'}" for b in data["bars"]], fontsize=7)
+        ax.text(x, bottom + 0.2, f"{bottom:.1f}", ha="center", fontsize=draw.SMALL)
+    ax.set_xticks(xs, [f"t={b['t']}\n{'SP' if b['sp'] else 'TP'}" for b in data["bars"]], fontsize=draw.SMALL)
     ax.set_ylabel("saved bytes / (s·b·h·e), one block, one rank")
-    ax.legend(reversed(ax.get_legend_handles_labels()[0]), reversed(names), fontsize=6.5, loc="upper left",
-              bbox_to_anchor=(1.0, 1.0), title="term (formulas.layer_activation_terms)", title_fontsize=6.5)
+    ax.legend(reversed(ax.get_legend_handles_labels()[0]), reversed(names), fontsize=draw.SMALL,
+              loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), title="term (formulas.layer_activation_terms)",
+              title_fontsize=draw.SMALL)
     fig.subplots_adjust(right=0.6)
     ax.set_title(f"Activations one block saves per rank ({data['model']}, s = {data['s']}, b = {data['b']}, "
                  f"e = {data['e']})\nTP divides the column/row tensors by t; SP also the norm regions",

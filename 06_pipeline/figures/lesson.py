@@ -61,7 +61,7 @@ def draw_timeline(ax, t: dict, title: str, legend: bool = True, label_mb: bool =
         handles = [Patch(facecolor=KIND[k], edgecolor="#333333", label=names[k]) for k in "FBW" if k in kinds]
         if any(b[3] % 2 for b in t["bars"]):
             handles.append(Patch(facecolor=LIGHT["F"], edgecolor="#333333", label="pale: chunk 1"))
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=draw.SMALL)
 
 
 # --- the problem: one batch keeps one GPU busy; micro-batches fill the pipe -------------------------
@@ -154,7 +154,7 @@ def bubble_draw(data: dict):
     b.title.set_fontsize(9)
     a.set_ylim(0, None)
     b.set_ylim(0, None)
-    b.legend(fontsize=7)
+    b.legend(fontsize=draw.SMALL)
     fig.suptitle(f"p = {p}: simulated points, closed forms as lines (k = 1; v for interleaved; 3 for "
                  "ZB-H1). GPipe = 1F1B", x=0.01, ha="left", fontsize=10, fontweight="bold")
     fig.tight_layout(rect=(0, 0, 1, 0.97))
@@ -206,7 +206,7 @@ def memory_draw(data: dict):
     b.set_xticks(range(p))
     a.title.set_fontsize(9)
     b.title.set_fontsize(9)
-    a.legend(fontsize=7)
+    a.legend(fontsize=draw.SMALL)
     fig.suptitle("Activation memory: GPipe holds all m micro-batches, 1F1B and ZB-H1 at most p "
                  "(1F1B: p − r on rank r)", x=0.01, ha="left", fontsize=10, fontweight="bold")
     fig.tight_layout(rect=(0, 0, 1, 0.97))
@@ -279,7 +279,7 @@ def p2p_draw(data: dict):
                  f"carry; replayed under NCCL's rules: {verdict}", loc="left", fontsize=9)
     ax.legend(handles=[Line2D([], [], color=KIND["F"], label="activation"),
                        Line2D([], [], color="#D55E00", label="gradient")],
-              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=draw.SMALL)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     return fig
 
@@ -307,7 +307,7 @@ def zero_bubble_draw(data: dict):
         ax.set_xlabel("")
         ax.set_xlim(0, span + 3.5)
         for r, idle in enumerate(t["idle"]):
-            ax.text(span + 0.4, r, f"idle {idle:g}", va="center", fontsize=7.5)
+            ax.text(span + 0.4, r, f"idle {idle:g}", va="center", fontsize=draw.SMALL)
     axes[-1].set_xlabel("time (a stage's forward = 1)")
     fig.suptitle(f"p = {data['p']}, m = {data['m']}: ZB-H1 sends B up the pipe first and fills the "
                  "cool-down with the W's nobody waits for", x=0.01, ha="left", fontsize=10, fontweight="bold")

@@ -62,7 +62,7 @@ def reshard_draw(data: dict):
                      edge="none")
         r, c, hh, ww = max(bx, key=lambda b: b[2] * b[3])
         ax.text(left + w + 0.08, (r + hh / 2) * scale, f"rank-{rank:05d}.bin  rows {r}–{r + hh - 1}",
-                va="center", fontsize=7, color=color_of[rank])
+                va="center", fontsize=draw.SMALL, color=color_of[rank])
     draw.box(ax, left, 0, w, h, color="none")
     for rank, bx, src in data["reads"]:
         if not bx:
@@ -72,9 +72,9 @@ def reshard_draw(data: dict):
         r0 = min(b[0] for b in bx)
         r1 = max(b[0] + b[2] for b in bx)
         y = (r0 + r1) / 2 * scale
-        ax.text(right + w / 2, y, f"rank {rank}", ha="center", va="center", fontsize=7)
+        ax.text(right + w / 2, y, f"rank {rank}", ha="center", va="center", fontsize=draw.SMALL)
         reads = ",  ".join(f"{n:,} from rank-{s:05d}.bin" for s, n in src)
-        ax.text(right + w + 0.1, y, f"rows {r0}–{r1 - 1}: {reads}", va="center", fontsize=6.8,
+        ax.text(right + w + 0.1, y, f"rows {r0}–{r1 - 1}: {reads}", va="center", fontsize=draw.SMALL,
                 color="#000000" if len(src) == 1 else "#D55E00")
     dp, pp, tp = data["saved"]
     ndp, npp, ntp = data["load"]

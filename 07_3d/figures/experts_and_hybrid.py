@@ -55,21 +55,21 @@ def expert_mesh_draw(data: list[dict]):
         ax.text(-3.2, y + 0.35, f"{mesh['command']}   ({sizes})", fontsize=8.5, fontweight="bold",
                 va="center")
         y += 0.8
-        ax.text(-0.2, y + 0.4, "rank (pp, replica,\nshard, tp)", ha="right", va="center", fontsize=7)
+        ax.text(-0.2, y + 0.4, "rank (pp, replica,\nshard, tp)", ha="right", va="center", fontsize=draw.SMALL)
         for r in range(world):
             draw.box(ax, r, y, 0.9, 0.8, f"{r}", color="#FFFFFF", fontsize=8)
-            ax.text(r + 0.45, y + 1.05, mesh["coords"][r], ha="center", va="center", fontsize=6)
+            ax.text(r + 0.45, y + 1.05, mesh["coords"][r], ha="center", va="center", fontsize=draw.SMALL)
         y += 1.3
-        ax.text(-0.2, y + 0.3, "experts held", ha="right", va="center", fontsize=7)
+        ax.text(-0.2, y + 0.3, "experts held", ha="right", va="center", fontsize=draw.SMALL)
         for r in range(world):
-            ax.text(r + 0.45, y + 0.3, mesh["experts"][r], ha="center", va="center", fontsize=7)
+            ax.text(r + 0.45, y + 0.3, mesh["experts"][r], ha="center", va="center", fontsize=draw.SMALL)
         y += 0.7
         for row in mesh["rows"]:
             ax.text(-0.2, y + 0.3, row["dim"], ha="right", va="center", fontsize=8)
             for r, line in enumerate(row["line_of"]):
                 draw.box(ax, r, y, 0.9, 0.6, str(line), color=draw.rank_color(line), alpha=0.55,
-                         fontsize=6.5)
-            ax.text(world + 0.2, y + 0.3, row["what"], va="center", fontsize=7)
+                         fontsize=draw.SMALL)
+            ax.text(world + 0.2, y + 0.3, row["what"], va="center", fontsize=draw.SMALL)
             y += 0.72
         y += 0.5
     ax.set_title("The mesh's lines (common.kernel.mesh.group_ranks): a box shows the line its rank is on, "

@@ -79,17 +79,17 @@ def mesh_draw(data: dict):
             draw.box(ax, x, y, w_cell * 0.88, 0.8, str(r), color=draw.RANK_COLORS[k % len(draw.RANK_COLORS)],
                      alpha=0.85, fontsize=8, textcolor="#000000")
         for p in range(pp):
-            ax.text(-0.15, p + 0.4, f"pp {p}", ha="right", va="center", fontsize=7.5)
+            ax.text(-0.15, p + 0.4, f"pp {p}", ha="right", va="center", fontsize=draw.SMALL)
         for d in range(dp):
             for c in range(cp):
                 x = ((d * cp + c) * tp) * w_cell + (d * cp + c) * gap
                 ax.text(x + tp * w_cell / 2 - 0.06, -0.25, f"dp {d}" + (f" cp {c}" if cp > 1 else ""),
-                        ha="center", va="center", fontsize=7)
+                        ha="center", va="center", fontsize=draw.SMALL)
         shown = " ".join("{" + ",".join(map(str, g)) + "}" for g in groups[:4])
         shown += " …" if len(groups) > 4 else ""
         ax.set_title(f"{dim.upper().replace('_', ' × ')}: {len(groups)} groups of {len(groups[0])}\n{shown}",
                      fontsize=8.5, loc="left", color=DIM_COLORS[dim])
-        ax.text(-1.1, pp + 0.15, DIM_TEXT[dim], fontsize=7, va="top", color="#333333")
+        ax.text(-1.1, pp + 0.15, DIM_TEXT[dim], fontsize=draw.SMALL, va="top", color="#333333")
     for ax in axes[n:]:
         ax.set_axis_off()
     mesh = " × ".join(f"{k} {sizes[k]}" for k in ("pp", "dp", "cp", "tp") if k != "cp" or cp > 1)
@@ -208,7 +208,7 @@ def step_draw(data: dict):
     acts, peers, sizes = data["actions"], data["peers"], data["sizes"]
     dims = [d for d in ("tp", "cp", "dp_cp", "pp") if len(peers[d]) > 1]
     zoom = [next(a for a in acts if a["kind"] == "F"), next(a for a in acts if a["kind"] != "F")]
-    per_row = 11
+    per_row = 9
     rows = sum(math.ceil(len(a["ops"]) / per_row) for a in zoom)
     fig, (top, bottom) = draw.figure(height=0.32 * (len(dims) + 1) + 1.0 + 0.36 * rows + 1.3, nrows=2,
                                      gridspec_kw={"height_ratios": [0.32 * (len(dims) + 1) + 0.5,
@@ -242,7 +242,7 @@ def step_draw(data: dict):
             if k and k % per_row == 0:
                 y += 0.45
             draw.box(bottom, k % per_row, y, 0.95, 0.38, chip(op), color=OP_COLORS[op[0]],
-                     alpha=1 if op[0] == "compute" else 0.45, fontsize=6.5)
+                     alpha=1 if op[0] == "compute" else 0.45, fontsize=draw.SMALL)
         y += 0.6
     totals = ", ".join(f"{names['dp_cp' if k.split()[0] == 'dp' else k.split()[0]]} {k.split()[1]} ×{v}"
                        for k, v in sorted(data["totals"].items()))
@@ -250,7 +250,7 @@ def step_draw(data: dict):
                 "all-reduce (TP, in the blocks; the embedding's and the head's are\nleft out: chapter 05's "
                 "microbatch_comm_bytes counts them); then one all-reduce of ‖g‖² over the world, and the "
                 "optimizer step.",
-                fontsize=7, va="top")
+                fontsize=draw.SMALL, va="top")
     fig.tight_layout()
     return fig
 
@@ -312,7 +312,7 @@ def recompute_draw(data: dict):
     for ax in (a, b):
         ax.title.set_fontsize(8.5)
         ax.set_ylim(0, ax.get_ylim()[1] * 1.25)
-        ax.legend(fontsize=7, loc="upper right")
+        ax.legend(fontsize=draw.SMALL, loc="upper right")
     fig.suptitle("Recomputation trades compute for memory (extra compute: the planner's "
                  "recompute_fraction)", x=0.01, ha="left", fontsize=10, fontweight="bold")
     fig.tight_layout(rect=(0, 0, 1, 0.95))

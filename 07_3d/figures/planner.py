@@ -41,17 +41,17 @@ def published_ratio_draw(data: dict):
         color = draw.rank_color(SOURCE_COLORS.get(r["source"], 7))
         ax.barh(i, r["ratio"], left=0, height=0.7, color=color, hatch="///" if r["fp8"] else None,
                 edgecolor="#333333", linewidth=0.4)
-        ax.text(r["ratio"] + 0.01, i, f"{r['ratio']:.2f}", va="center", fontsize=6.5)
+        ax.text(r["ratio"] + 0.01, i, f"{r['ratio']:.2f}", va="center", fontsize=draw.SMALL)
         mem.barh(i, r["memory"], height=0.7, color=color, edgecolor="#333333", linewidth=0.4)
         if r["measured"]:
             mem.plot([r["measured"]], [i], marker="D", color="#333333", markersize=3.5)
     ax.set_yticks(range(len(runs)), [r["name"] + (" (FP8)" if r["fp8"] else "") for r in runs],
-                  fontsize=7)
+                  fontsize=draw.SMALL)
     ax.set_ylim(len(runs) - 0.5, -0.5)
     ax.set_xlim(0, 1.6)
     mem.set_xlim(0, 1.2)
-    ax.set_xlabel("predicted / published (tokens/s or the source's TFLOP/s per GPU)")
-    mem.set_xlabel("memory priced / the GPU's (◆ measured)")
+    ax.set_xlabel("predicted / published\n(tokens/s or the source's TFLOP/s per GPU)")
+    mem.set_xlabel("memory priced / the GPU's\n(◆ measured)")
     ax.set_title(f"Each published run at its own layout and recipe: the grey band is ±{band:.0%}; "
                  f"hatched: FP8 (bf16 peak)", loc="left", fontsize=9)
     mem.set_title("and what it holds per GPU", loc="left", fontsize=9)

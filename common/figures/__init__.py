@@ -12,7 +12,9 @@ that changes that function's result. tests/test_figures.py holds every figure to
   - replace it with the perturbed one, and `data()` must change (the data follows the code);
   - the file the lesson shows is stamped with a hash of its data, and the hash must be today's
     (a figure not regenerated after its code changed goes red; `make figures` mends it);
-  - every image a lesson or page shows exists, and every figure is shown by one.
+  - every image a lesson or page shows exists, and every figure is shown by one;
+  - every label reads at >= 10 px where GitHub shows it, in a font with a generic fallback
+    (legible.py; tests/test_figures_legible.py).
 
 `make figures` (python -m common.figures) writes them all; `show("ring_steps", n=8)` draws one
 with other sizes in a notebook. Each chapter owns the code of its pictures: its package's
@@ -112,7 +114,9 @@ def render(fig: Figure, **sizes: Any):
     from common.figures import draw
 
     draw.style()
-    return fig.draw(fig.compute(**sizes))
+    mpl_fig = fig.draw(fig.compute(**sizes))
+    draw.finish(mpl_fig)
+    return mpl_fig
 
 
 def save(fig: Figure) -> Path:
@@ -122,6 +126,7 @@ def save(fig: Figure) -> Path:
     draw.style()
     data = fig.compute()
     mpl_fig = fig.draw(data)
+    draw.finish(mpl_fig)
     path = ROOT / fig.path
     path.parent.mkdir(parents=True, exist_ok=True)
     stamp = STAMP + data_hash(data)
@@ -134,6 +139,15 @@ def save(fig: Figure) -> Path:
 
     plt.close(mpl_fig)
     return path
+
+
+def illegible(path: Path) -> list[str]:
+    """What in a written figure file does not read on GitHub (legible.py); empty when all does."""
+    from common.figures import legible
+
+    if path.suffix == ".svg":
+        return legible.svg_problems(path.read_text(encoding="utf-8"))
+    return []  # a PNG is judged while drawn: tests/test_figures_legible.py
 
 
 def stamp_of(path: Path) -> str | None:
@@ -155,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                                      "folder (make figures).")
     parser.add_argument("names", nargs="*", help="only these figures (default: all)")
     parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 if a figure file is missing or stale")
+                        help="write nothing; exit 1 if a figure file is missing, stale or illegible")
     args = parser.parse_args(argv)
     figures = [f for f in all_figures() if not args.names or f.name in args.names]
     stale = 0
@@ -168,6 +182,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'ok   ' if ok else 'STALE'} {fig.path}")
         else:
             print(f"wrote {save(fig).relative_to(ROOT)}")
+        problems = illegible(path) if path.exists() else []
+        stale += bool(problems)
+        for problem in problems[:5]:
+            print(f"ILLEGIBLE {fig.path}: {problem}")
+        if len(problems) > 5:
+            print(f"ILLEGIBLE {fig.path}: ... and {len(problems) - 5} more (tests/test_figures_legible.py)")
     return 1 if stale else 0
 
 
