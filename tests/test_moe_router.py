@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from common.cli import ConfigError
 from common.dist import init_distributed
 from common.kernel.model import LlamaConfig, get_config
 from common.kernel.moe import (
@@ -23,10 +24,12 @@ from common.kernel.moe import (
 )
 from common.reference import make_reference
 from common.training import loss_value, rank_micro_batches
+from parallel3d import train as train3d
 from parallel3d.checkpoint.trainer import load_trainer_state, save_trainer_state, trainer_config
 from tensor_parallel import train_expert as ep_train
 from tests.equivalence import RunRecord, TrainSpec, differences, spec_run
 from tests.test_3d_experts import moe_flags, strategy_moe
+from tests.test_moe_expert_parallel_train import train_cli
 
 GAMMA = 0.05  # large enough that the bias changes choices within 3 steps of a tiny model
 
@@ -243,3 +246,29 @@ def test_a_3d_checkpoint_resumes_the_bias_on_another_mesh(pools, tmp_path):
         assert loaded == ref_biases[-2] and later == ref_biases[-1:]
     assert differences(RunRecord([1.0], [{}], results[0][2]), RunRecord([1.0], [{}], reference.params))[
         "param"] <= 1e-10
+
+
+# --- the demos' flag ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("module, argv, message", [
+    (ep_train, ["--bias-update-rate", "0.001", "--check"], r"--bias-update-rate 0.001 with --check: the "
+     r"single-device reference"),
+    (ep_train, ["--bias-update-rate", "-1"], r"--bias-update-rate -1.0: use >= 0"),
+    (train3d, ["--model", "tiny-moe", "--ep", "2", "--bias-update-rate", "0.01", "--check"],
+     r"--bias-update-rate 0.01 with --check"),
+    (train3d, ["--model", "tiny", "--bias-update-rate", "0.01"],
+     r"with --model tiny: .* a mixture-of-experts"),
+])
+def test_bad_bias_flags_are_refused_before_any_collective(module, argv, message):
+    with pytest.raises(ConfigError, match=message):
+        module.validate(module.parse_args(argv), 4)
+
+
+def test_the_demo_trains_with_the_flag_and_its_formula_counts_the_loads(pools):
+    """05's report with --bias-update-rate: the meter's bytes equal the formula with the loads'
+    all-reduce (2(d-1)/d · L·E·8 a step) and the run's model carries γ."""
+    argv = ["--ep", "2", "--bias-update-rate", "0.001", "--dtype", "float64", "--steps", "2",
+            "--global-batch", "4", "--seq-len", "8", "--data", "synthetic", "--log-every", "0"]
+    assert ep_train.validate(ep_train.parse_args(argv), 4).model.bias_update_rate == 0.001
+    report = pools.run(4, train_cli, argv)[0]
+    assert report["comm_bytes_per_rank"] == pytest.approx(report["comm_bytes_formula"], rel=1e-12)
