@@ -85,7 +85,7 @@ class _AllToAll(torch.autograd.Function):
         return out, None
 
 
-def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+def exchange(x: torch.Tensor, group) -> torch.Tensor:
     """Differentiable even all-to-all over dim 0 of x [P, …] (`dist.all_to_all_single`)."""
     return _AllToAll.apply(x, group)
 
@@ -135,9 +135,9 @@ def _ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, layout: s
     cp = dist.get_world_size(group)
     send = to_heads(q, k, v, cp)
     hq, hk = q.shape[1] // cp, (send.shape[2] - q.shape[1] // cp) // 2
-    whole = from_tokens(all_to_all(send, group), layout)  # [B, hq + 2hk, s, d]
+    whole = from_tokens(exchange(send, group), layout)  # [B, hq + 2hk, s, d]
     out = attend(*whole.split([hq, hk, hk], dim=1))  # [B, hq, s, d]
-    return from_heads(all_to_all(to_tokens(out, cp, layout), group))  # [B, H, t, d]
+    return from_heads(exchange(to_tokens(out, cp, layout), group))  # [B, H, t, d]
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,

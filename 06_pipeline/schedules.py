@@ -282,8 +282,14 @@ def make_schedule(name: str, p: int, m: int, v: int | None = None) -> Schedule:
 
 
 def messages(schedule: Schedule, rank: int) -> tuple[list[Message], list[Message]]:
-    """(sends, receives) of `rank` in the order its actions issue them."""
+    """(sends, receives) of `rank` in the order it posts them: its actions' order, or, where the
+    schedule groups its own messages (`posts`), the order of those groups."""
     sends, recvs = [], []
+    if schedule.posts:
+        for _, sent, got in schedule.posts[rank]:
+            sends += [m for a in sent if (m := schedule.send(rank, a)) is not None]
+            recvs += [m for a in got if (m := schedule.recv(rank, a)) is not None]
+        return sends, recvs
     for action in schedule.actions[rank]:
         if (msg := schedule.recv(rank, action)) is not None:
             recvs.append(msg)

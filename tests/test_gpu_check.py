@@ -64,8 +64,7 @@ def test_the_rows_cover_every_chapter_schedule_offload_and_prefetch():
     assert {c.name for c in chapter_dirs()} == {c.chapter for c in CHECKS} <= PACKAGES.keys()
     argvs = {c.label: row_argv(c, "float32", c.ranks(8)) for c in CHECKS}
     pipeline = {a[a.index("--schedule") + 1] for label, a in argvs.items() if label.startswith("06")}
-    # DualPipeV is new in chapter 06; its NCCL row (common/gpu_check.py) is still to be added
-    assert pipeline <= set(SCHEDULES) and set(SCHEDULES) - pipeline <= {"dualpipev"}
+    assert pipeline == set(SCHEDULES)
     assert "--offload" in argvs["03 ZeRO-3 offload"] and "--no-prefetch" not in argvs["04 FSDP"]
     assert all(c.checked for c in CHECKS) and len({c.label for c in CHECKS}) == len(CHECKS)
 

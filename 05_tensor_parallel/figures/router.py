@@ -70,9 +70,9 @@ def router_balance_draw(data: dict, window: int = 10):
                   color=draw.rank_color(i))
     left.set_xlabel("step")
     left.set_ylabel(f"max/mean load, mean of {window} steps")
-    left.legend(fontsize=7, loc="upper left")
+    left.legend(fontsize=draw.SMALL, loc="upper left")
     right.axhline(100 / E, color="#333333", linestyle="--", linewidth=0.8)
-    right.set_xticks(range(E), [str(e) for e in range(E)], fontsize=7)
+    right.set_xticks(range(E), [str(e) for e in range(E)], fontsize=draw.SMALL)
     right.set_xlabel("expert")
     right.set_ylabel("share of the run's slots (%)")
     n, steps = data["tokens"], data["steps"]

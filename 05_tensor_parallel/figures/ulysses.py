@@ -63,16 +63,16 @@ def ulysses_draw(data: dict):
                 cells.setdefault((kind, head, pos), []).append(rank)
         for y, (kind, head) in enumerate(rows):
             ax.text(-0.2, y + 0.5, f"{'output' if kind == 'q' and 'k' not in held else kind} head {head}",
-                    ha="right", va="center", fontsize=6.5)
+                    ha="right", va="center", fontsize=draw.SMALL)
             for pos in range(s):
                 ranks = sorted(cells.get((kind, head, pos), []))
                 for i, r in enumerate(ranks):  # a K/V head repeated to several ranks: one slice each
                     draw.box(ax, pos, y + i / len(ranks), 1, 1 / len(ranks), "", draw.rank_color(r),
                              edge="#FFFFFF", alpha=0.8)
         ax.set_title(title, loc="left", fontsize=8.5, pad=2)
-    axes.flat[0].text(s + 0.2, -0.3, "token position →", ha="right", va="bottom", fontsize=6.5)
+    axes.flat[0].text(s + 0.2, -0.3, "token position →", ha="right", va="bottom", fontsize=draw.SMALL)
     handles = [draw.Rectangle((0, 0), 1, 1, color=draw.rank_color(r), alpha=0.8) for r in range(cp)]
-    fig.legend(handles, [f"rank {r}" for r in range(cp)], loc="lower center", ncol=cp, fontsize=7)
+    fig.legend(handles, [f"rank {r}" for r in range(cp)], loc="lower center", ncol=cp, fontsize=draw.SMALL)
     fig.suptitle(f"Ulysses, cp = {cp}, H = {heads}, H_kv = {kv} ({data['layout']} tokens): each cell "
                  "coloured by the rank holding it\n"
                  "(a K/V head repeated to several ranks: split cells; V moves as K)", x=0.01, ha="left",
