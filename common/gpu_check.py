@@ -104,7 +104,7 @@ CHECKS = (
     Check("06 PP ZB-H1", "06_pipeline", "zero-bubble H1 (split B/W): P2P groups on NCCL",
           pipeline_flags("zb"), ("float32",), 2),
     Check("06 PP DualPipeV", "06_pipeline", "DualPipeV (V placement, split B/W): P2P groups on NCCL",
-          pipeline_flags("dualpipev"), ("float32",), 2),
+          pipeline_flags("dualpipev"), ("float32",), 2, interleaved_ranks),
     Check("07 3D 1F1B", "07_3d", "dp × pp × tp mesh, FSDP + TP + 1F1B", flags_3d("1f1b")),
     Check("07 3D interleaved", "07_3d", "dp × pp × tp mesh, interleaved pipeline",
           flags_3d("interleaved"), ("float32",), 4),
