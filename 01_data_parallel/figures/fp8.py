@@ -26,7 +26,7 @@ def outlier_activations(tokens: int = 64, channels: int = 1024, outliers: int = 
                         seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, ordinary): x standard normal with `outliers` channels × factor; `ordinary` marks the rest."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, channels, generator=g)
+    x = torch.randn(tokens, channels, generator=g, dtype=torch.float64).float()  # float64: one draw on every CPU
     hot = torch.randperm(channels, generator=g)[:outliers]
     x[:, hot] *= factor
     ordinary = torch.ones(channels, dtype=torch.bool)
@@ -50,7 +50,8 @@ def recipe_error(x: torch.Tensor, ordinary: torch.Tensor, recipe: str, fmt: str 
 def gemm_error(x: torch.Tensor, recipe: str, out_features: int = 256, tile: int = TILE,
                seed: int = 1) -> float:
     """‖x̂ŵᵀ − xwᵀ‖ / ‖xwᵀ‖ for a weight w ~ 0.02·N(0, 1) quantized by the same recipe."""
-    w = 0.02 * torch.randn(out_features, x.shape[1], generator=torch.Generator().manual_seed(seed))
+    w = 0.02 * torch.randn(out_features, x.shape[1], generator=torch.Generator().manual_seed(seed),
+                           dtype=torch.float64).float()
     qx = quantize(x, block_shape(recipe, tuple(x.shape), "activation", tile))
     qw = quantize(w, block_shape(recipe, tuple(w.shape), "weight", tile))
     y = x.double() @ w.double().T
