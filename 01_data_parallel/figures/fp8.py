@@ -26,7 +26,7 @@ def outlier_activations(tokens: int = 64, channels: int = 1024, outliers: int = 
                         seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, ordinary): x standard normal with `outliers` channels × factor; `ordinary` marks the rest."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, channels, generator=g, dtype=torch.float64).float()  # float64: one draw on every CPU
+    x = torch.randn(tokens, channels, generator=g, dtype=torch.float64).float()  # float64: the same on any CPU
     hot = torch.randperm(channels, generator=g)[:outliers]
     x[:, hot] *= factor
     ordinary = torch.ones(channels, dtype=torch.bool)
