@@ -25,8 +25,9 @@ DTYPES = {"e4m3": E4M3, "e5m2": E5M2}
 def outlier_activations(tokens: int = 64, channels: int = 1024, outliers: int = 4, factor: float = 100.0,
                         seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, ordinary): x standard normal with `outliers` channels × factor; `ordinary` marks the rest."""
+    # drawn in float64: float32 randn differs by CPU kernel (avx2, default)
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, channels, generator=g, dtype=torch.float64).float()  # float64: the same on any CPU
+    x = torch.randn(tokens, channels, generator=g, dtype=torch.float64).float()
     hot = torch.randperm(channels, generator=g)[:outliers]
     x[:, hot] *= factor
     ordinary = torch.ones(channels, dtype=torch.bool)
