@@ -105,6 +105,15 @@ def crafted(root: Path) -> dict[str, tuple[Path, str]]:
     case("unlisted-file", r"a piece is in 'rank-00007.bin', which 'files' does not list",
          lambda m: piece(m).update(file="rank-00007.bin"))
     case("float-as-int", r"step is 1.5: an integer", lambda m: m.update(step=1.5))
+    case("flat-range-past-box", r"a piece's flat range \[0, 30\) is outside its box \[3, 5\]",
+         lambda m: piece(m).update(box_shape=[3, 5], offsets=[0, 0], flat_start=0))
+
+    def symlink_inside(step: Path) -> None:  # no link at all, even to a file of its own directory
+        target, inner = step / "rank-00000.bin", step / "inner.bin"
+        inner.write_bytes(target.read_bytes())
+        target.unlink()
+        target.symlink_to(inner)
+    case("symlink-inside", r"names shard file 'rank-00000.bin', a link out of", after=symlink_inside)
     return cases
 
 

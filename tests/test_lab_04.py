@@ -65,3 +65,18 @@ def test_a_planted_bug_gets_its_diagnosis(bug, tmp_path):
 
 def test_every_check_has_a_planted_bug():
     assert_checks_covered(4, BUGS)
+
+
+def test_a_shard_viewing_a_flat_buffer_of_two_shards_is_caught_at_world_2():
+    """At world 2 a view of the whole flat buffer holds 2·S elements of storage: one too many."""
+    import torch
+
+    from fsdp.lab_hints import shard_error
+
+    flat = torch.arange(8, dtype=torch.float64)
+    shard = flat[0:4].clone()
+    view_storage = 2 * 4 * shard.element_size()
+    error = shard_error({"parameters": ["shard"], "shard": shard, "storage": view_storage}, flat, 8, 0, 2)
+    assert error is not None and "storage of" in error[0]
+    own = {"parameters": ["shard"], "shard": shard, "storage": 4 * shard.element_size()}
+    assert shard_error(own, flat, 8, 0, 2) is None

@@ -71,3 +71,18 @@ def test_a_planted_bug_gets_its_diagnosis(bug, tmp_path):
 
 def test_every_check_has_a_planted_bug():
     assert_checks_covered(5, BUGS, "context")
+
+
+def test_a_ring_that_waits_first_only_from_its_second_step_is_caught():
+    """Every post restarts the count: a wait right after the second post, with the first step
+    overlapped, is still a wait before attending."""
+    from types import SimpleNamespace
+
+    from common.labs.grader import Fail
+    from tensor_parallel.lab_context_check import check_overlap
+
+    def run(events):
+        return [SimpleNamespace(config={"world": 2}, ranks=[{"events": events}])]
+
+    assert isinstance(check_overlap(run(["post", "attend", "wait", "post", "wait", "attend"])), Fail)
+    assert not isinstance(check_overlap(run(["post", "attend", "wait", "post", "attend", "wait"])), Fail)

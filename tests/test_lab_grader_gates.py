@@ -114,3 +114,17 @@ def test_a_hang_inside_a_subgroup_is_reported_on_that_subgroup(tmp_path):
     assert ("collective 2 on the group of ranks [2, 3] differs: rank 2 posted all_reduce(float32[1], "
             "group of 2 [2, 3]), rank 3 posted broadcast(float32[1], 2, group of 2 [2, 3])") in text, text
     assert "rank 2: last posted all_reduce(float32[1], group of 2 [2, 3]) (2 calls in all)" in text, text
+
+
+def test_a_world_divergence_is_reported_before_a_subgroups():
+    """Both the world's collective 1 and a subgroup's differ: the world's comes first (its
+    collectives order every rank's), named without a group."""
+    from common.labs.failures import _diverging
+
+    traces = [["all_reduce(size 4)"], ["all_reduce(size 4)"],
+              ["all_reduce(size 8)", "broadcast(size 1, group of 2 [2, 3])"],
+              ["all_reduce(size 4)", "all_gather(size 1, group of 2 [2, 3])"]]
+    report = _diverging(traces, 4)
+    assert report.startswith("collective 1 differs") and "on the group of ranks" not in report
+    subgroup_only = [traces[0], traces[1], ["all_reduce(size 4)", traces[2][1]], traces[3]]
+    assert _diverging(subgroup_only, 4).startswith("collective 1 on the group of ranks [2, 3] differs")

@@ -50,3 +50,17 @@ def test_a_failure_from_step_2_on_says_step_1_was_right_and_names_kept_state():
     assert "step 1 was right" in text
     assert all(word in text for word in ("optimizer state", "accumulated", "not reset"))
     assert steps_pattern([0, 1], 3) == ""
+
+
+def test_the_rounding_line_sits_at_64_ulps_of_the_dtype():
+    """Both sides of the line: 32 ulps of float64 is rounding, 256 ulps is not."""
+    eps = torch.finfo(torch.float64).eps
+    assert "rounding, not logic" in hint(WANT * (1 + 32 * eps), tolerance=0.0)
+    assert "rounding, not logic" not in hint(WANT * (1 + 256 * eps), tolerance=0.0)
+
+
+def test_a_small_relative_error_is_a_constant_slightly_off_and_a_larger_one_a_missed_wait():
+    """1e-8 of the value reads as a constant slightly off; 1e-4, at the right scale, is a wait()."""
+    larger = hint(WANT * (1 + 1e-4), world=2)
+    assert "wait()" in larger and "constant slightly off" not in larger
+    assert "constant slightly off" in hint(WANT * (1 + 1e-8))

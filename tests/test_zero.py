@@ -448,6 +448,21 @@ def test_shipped_configs_parse_as_the_issue_writes_them():
     assert padded_size(10, 4) == 12 and padded_size(12, 4) == 12
 
 
+def test_every_stage3_knob_is_kept_at_its_boundary_and_written_back():
+    """All four tuning knobs survive parse and to_dict with their values and types (a bool stays a
+    bool); each checker sits at its boundary: a reuse distance of 0 is valid, a bucket of 0 is not."""
+    knobs = {"stage3_prefetch_bucket_size": 1, "stage3_max_live_parameters": 1,
+             "stage3_max_reuse_distance": 0, "stage3_gather_16bit_weights_on_model_save": True}
+    config = parse_config({"zero_optimization": {"stage": 3, **knobs}})
+    assert dict(config.stage3_tuning) == knobs
+    written = to_dict(config)["zero_optimization"]
+    assert {k: written[k] for k in knobs} == knobs
+    assert type(written["stage3_gather_16bit_weights_on_model_save"]) is bool
+    for key in ("stage3_prefetch_bucket_size", "stage3_max_live_parameters"):
+        with pytest.raises(ZeroConfigError, match=key):
+            parse_config({"zero_optimization": {"stage": 3, key: 0}})
+
+
 def test_deepspeeds_documented_stage3_keys_are_accepted():
     """DeepSpeed's documentation spells the stage-3 knobs stage3_*; the article spells one without."""
     documented = parse_config({"zero_optimization": {
