@@ -380,10 +380,11 @@ def _by_op(meter: CommMeter) -> dict:
             "bytes": {k: sum(comm.get(o, {}).get("bytes", 0) for o in v) for k, v in ops.items()}}
 
 
-def metered_forward_backward(cfg: LlamaConfig, b: int, s: int, sp: bool) -> dict:
+def metered_forward_backward(cfg: LlamaConfig, b: int, s: int, sp: bool,
+                             dtype: torch.dtype = torch.float64) -> dict:
     """Runs on every rank: one TP forward+backward of the whole model (group = the world) under
     the comm meter (forward and backward apart) and the activation ledger."""
-    model = build_model(cfg, 0, torch.float64)
+    model = build_model(cfg, 0, dtype)
     parallelize_llama(model, None, sp)
     inputs, targets = split_inputs_targets(SyntheticTokens(cfg.vocab_size, s, 0).global_batch(0, b))
     with ActivationMeter(model.parameters()) as activations:
@@ -450,6 +451,10 @@ def test_activation_memory_equals_the_formula_to_the_byte(pools):
     for t in (2, 4):
         assert measured[t, True] < measured[t, False] < measured[1, False]
         assert measured[t, True] * t == measured[1, True]
+    # in bfloat16 too (e = 2): a term priced at a fixed 4 or 8 bytes where it holds e is caught
+    one, two = (pools.run(2, metered_forward_backward, cfg, b, s, True, torch.bfloat16)[0]["activations"]
+                for cfg in cfgs)
+    assert two - one == layer_activation_bytes(_shape(cfgs[1], b, s, 2, True, torch.bfloat16))
 
 
 # --- the demo: flags, report, bad input ------------------------------------------------------
